@@ -1,0 +1,46 @@
+# Two entry points (see README): `make demo` and `make test`. Both create/update .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+MLX_LM_VERSION = $(shell $(PY) -c "import importlib.metadata as m; print(m.version('mlx-lm'))")
+MLX_LM_SDIST   := .cache/mlx-lm-sdist
+
+.PHONY: demo test system-deps sdist bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/mlx-watchdog demo $(ARGS)
+
+# Prometheus, promtool and Alertmanager come from Debian's packages. As root we install them;
+# otherwise the tests that need them skip loudly (never in CI, where CI=true makes them fail).
+system-deps:
+	@if command -v promtool >/dev/null && command -v prometheus >/dev/null && \
+	    (command -v prometheus-alertmanager >/dev/null || command -v alertmanager >/dev/null); then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	        prometheus prometheus-alertmanager; \
+	else echo "WARNING: prometheus/promtool/alertmanager missing and not root: their tests will be skipped"; fi
+
+# mlx-lm's own model test suite, from its source distribution on PyPI (tests/test_models.py).
+$(MLX_LM_SDIST)/.done: $(STAMP)
+	rm -rf $(MLX_LM_SDIST) && mkdir -p $(MLX_LM_SDIST)
+	$(PY) -m pip download -q --no-deps --no-binary :all: -d $(MLX_LM_SDIST) "mlx-lm==$(MLX_LM_VERSION)"
+	tar -xzf $(MLX_LM_SDIST)/mlx_lm-*.tar.gz -C $(MLX_LM_SDIST)
+	touch $@
+
+sdist: $(MLX_LM_SDIST)/.done
+
+test: system-deps $(STAMP) sdist
+	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info

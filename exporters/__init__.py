@@ -1,0 +1,1 @@
+"""Exporters read watchdog state; they never drive the decode."""

@@ -1,0 +1,455 @@
+"""The watchdog: observe a decode step, account its graph, forecast the limit, fix and act.
+
+One ``Watchdog`` follows one model's decode. ``observe(roots)`` runs once per step, at the
+*entry* of the step: whatever is still pending in the cache then was left behind by the
+previous step (observing right after the forward would walk the whole forward graph).
+
+Cost control: a graph walk is O(graph) and cannot be cut short, so walks are *sampled*.
+A walk runs only while the time spent walking stays within ``overhead_budget`` of the decode's
+wall time (plus a small start-up credit, so the first steps are measured densely). Between
+walks the forecast extrapolates from the last measurement.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import statistics
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from . import forecast as fc
+from .graph import account, is_evaluated
+from .introspect import MAX_DEPTH, MAX_OBJECTS, Found, resolve, root_key, scan
+from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
+
+logger = logging.getLogger("mlx_watchdog")
+
+WALK_CREDIT_SECONDS = 0.05  # walking budget granted up front, so early steps are measured densely
+SAMPLE_WINDOW = 64  # walks kept for the growth-rate fit
+WARN_INTERVAL_SECONDS = 60.0
+LEAK_THRESHOLD = 1e-3  # buffers/step below which a site is not reported as leaking
+MAX_PATHS_PER_SITE = 16
+
+_live: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def live_watchdogs() -> list["Watchdog"]:
+    """Every live watchdog created with ``export=True`` (what exporters publish by default)."""
+    with _live_lock:
+        return [wd for wd in list(_live) if wd.export]
+
+
+class ResourceLimitForecast(RuntimeError):
+    """Raised from an observed step when the forecast puts the buffer limit within ``stop_within``
+    steps: the generation ends cleanly while the process and the device are still healthy."""
+
+    def __init__(self, forecast: fc.Forecast, reason: str = "forecast"):
+        self.forecast = forecast
+        self.reason = reason
+        super().__init__(
+            f"mlx-watchdog stopped the generation ({reason}): the Metal resource limit of "
+            f"{forecast.limit} buffers is forecast within {forecast.steps_to_limit:.0f} steps. "
+            f"{forecast.describe()}"
+        )
+
+
+def materialize(obj: Any) -> int:
+    """Schedule evaluation (``mx.async_eval``) of every pending array reachable from ``obj``.
+
+    Returns how many arrays were scheduled. Evaluated arrays are left alone. MLX detaches the
+    scheduled graph synchronously, so the chains are cut at once; the device work runs later."""
+    pending = [f.array for f in scan(obj).found if not is_evaluated(f.array)]
+    if pending:
+        mx.async_eval(pending)
+    return len(pending)
+
+
+class _SiteSeries:
+    """Measurements of one site across walks."""
+
+    def __init__(self) -> None:
+        self.total = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, held + retained)
+        self.held = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, evaluated arrays at the site)
+        self.per_fix = collections.deque(maxlen=8)  # retained / steps since the last fix
+        self.paths: tuple[str, ...] = ()
+        self.buffers = 0
+        self.retained = 0
+
+    def rate(self, fixing: bool) -> float:
+        if fixing and self.per_fix:
+            # The fix cuts the chains every step, so what a walk finds is one interval's growth.
+            return statistics.median(self.per_fix) + max(0.0, fc.robust_slope(self.held))
+        return fc.robust_slope(self.total)
+
+
+class Watchdog:
+    """Counts the buffers each decode step leaves resident, names where they come from,
+    forecasts when the limit is hit, and optionally fixes the leak or stops before the limit.
+
+    Args:
+        limit: the buffer limit; ``None`` takes the device's ``resource_limit`` where MLX reports
+            one (Metal), else 499,000.
+        name: the ``watchdog`` label of exported metrics (default: set from the model, else "default").
+        fix: materialize every pending cache array on each observed step (cuts lazy chains).
+        fix_every: run the fix every N observed steps.
+        warn_within: log a warning when the limit is forecast within this many steps (at most once a minute).
+        stop_within: raise :class:`ResourceLimitForecast` when the limit is forecast within this many steps.
+        on_forecast: called with each new :class:`Forecast` (after each graph walk).
+        overhead_budget: fraction of decode wall time the graph walks may take (default 1%).
+        export: publish this watchdog through the exporters (``start_metrics_server``).
+        model: the watched model, to count its parameters as resident buffers.
+    """
+
+    def __init__(
+        self,
+        limit: Optional[int] = None,
+        *,
+        name: Optional[str] = None,
+        fix: bool = False,
+        fix_every: int = 1,
+        warn_within: Optional[float] = None,
+        stop_within: Optional[float] = None,
+        on_forecast: Optional[Callable[[fc.Forecast], Any]] = None,
+        overhead_budget: float = 0.01,
+        export: bool = True,
+        model: Any = None,
+        max_objects: int = MAX_OBJECTS,
+        max_depth: int = MAX_DEPTH,
+    ):
+        self.limit = resolve_limit(limit)
+        _check_positive_int("fix_every", fix_every)
+        _check_positive_int("max_objects", max_objects)
+        _check_positive_int("max_depth", max_depth)
+        for label, value in (("warn_within", warn_within), ("stop_within", stop_within)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"{label} must be a number of steps >= 0 or None, got {value!r}")
+        if not isinstance(overhead_budget, (int, float)) or not 0 < overhead_budget <= 1:
+            raise ValueError(f"overhead_budget must be a fraction in (0, 1], got {overhead_budget!r}")
+        if on_forecast is not None and not callable(on_forecast):
+            raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
+        self.name = name or "default"
+        self.name_is_default = name is None
+        self.fix = bool(fix)
+        self.fix_every = fix_every
+        self.warn_within = warn_within
+        self.stop_within = stop_within
+        self.on_forecast = on_forecast
+        self.overhead_budget = float(overhead_budget)
+        self.export = bool(export)
+        self.max_objects = max_objects
+        self.max_depth = max_depth
+
+        # Counters (monotonic; read by exporters at scrape time).
+        self.steps = 0
+        self.overhead_seconds = 0.0
+        self.materialized_arrays = 0
+        self.reclaimed_buffers = 0.0
+        self.internal_errors = 0
+        self.walks = 0
+        self.stops: collections.Counter[str] = collections.Counter()
+
+        # Distributed and prefill readings are filled in by their own modules.
+        self.rank = 0
+        self.world_size = 1
+        self.coordinator = None  # object with .worst(step, steps_to_limit) -> steps_to_limit
+        self.prefill_graph_nodes: Optional[int] = None
+        self.max_safe_prefill_tokens: Optional[int] = None
+
+        self._lock = threading.RLock()
+        self._parameter_buffers = 0
+        self._started: Optional[float] = None
+        self._walk_seconds = 0.0
+        self._last_walk_cost = 0.0
+        self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
+        self._root_key: Optional[tuple] = None
+        self._paths: Optional[list[tuple]] = None
+        self._last_fix_step = 0
+        self._fixed_once = False
+        self._last_warn = -math.inf
+        self._warned: set[str] = set()
+        self._reset_series()
+        if model is not None:
+            self.count_parameters(model)
+        with _live_lock:
+            _live.add(self)
+
+    # ----------------------------------------------------------------- public API
+
+    def count_parameters(self, model: Any) -> int:
+        """Count the model's parameter arrays (once) as resident buffers."""
+        try:
+            params = model.parameters() if hasattr(model, "parameters") else model
+            arrays = {id(a): a for _, a in tree_flatten(params) if isinstance(a, mx.array)}
+            self._parameter_buffers = len(arrays)
+        except Exception as exc:
+            self._internal_error("count_parameters", exc)
+        return self._parameter_buffers
+
+    def observe(self, roots: Any, *, last_output: Any = None) -> None:
+        """Observe one decode step. Call it at the entry of each step (before the forward).
+
+        ``roots``: any object graph holding the cache(s). ``last_output``: the previous step's
+        output, when known; the fix only runs once the program has evaluated (or scheduled) it,
+        so the watchdog never computes what the program itself would not have.
+
+        Never raises, except :class:`ResourceLimitForecast` when ``stop_within`` says so."""
+        start = time.perf_counter()
+        try:
+            self._observe(roots, last_output, start)
+        except ResourceLimitForecast:
+            raise
+        except Exception as exc:
+            self._internal_error("observe", exc)
+        finally:
+            self.overhead_seconds += time.perf_counter() - start
+
+    def forecast(self) -> fc.Forecast:
+        """The current forecast (thread-safe; cheap: no graph walk)."""
+        with self._lock:
+            step = self.steps
+            rate = self._rate
+            resident = self._resident_now(step)
+            stl = fc.steps_to_limit(resident, self.limit, rate)
+            step_rate = self._step_rate()
+            fixing = self.fix and self._fixed_once
+            leaks = []
+            for site, series in self._sites.items():
+                site_rate = series.rate(fixing)
+                if site_rate > LEAK_THRESHOLD:
+                    leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers))
+            leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
+            return fc.Forecast(
+                step=step,
+                resident_buffers=int(round(resident)),
+                limit=self.limit,
+                buffers_per_step=max(0.0, rate),
+                steps_to_limit=stl,
+                seconds_to_limit=fc.seconds_from_steps(stl, step_rate),
+                leaks=tuple(leaks),
+                step_rate=step_rate,
+                source=EXACT_COUNTER_NAME or "estimate",
+                parameter_buffers=self._parameter_buffers,
+                cache_buffers=self._cache_buffers,
+                retained_buffers=self._retained,
+                pending_graph_nodes=self._pending_nodes,
+                measured_step=self._measured_step,
+                prefill_graph_nodes=self.prefill_graph_nodes,
+                max_safe_prefill_tokens=self.max_safe_prefill_tokens,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+
+    def reset(self) -> None:
+        """Forget the measurements of the current decode (a new generation starts)."""
+        with self._lock:
+            self._reset_series()
+
+    def record_stop(self, reason: str) -> None:
+        with self._lock:
+            self.stops[reason] += 1
+
+    def __repr__(self) -> str:
+        return f"Watchdog(name={self.name!r}, limit={self.limit}, fix={self.fix}, steps={self.steps})"
+
+    # ----------------------------------------------------------------- the step
+
+    def _observe(self, roots: Any, last_output: Any, start: float) -> None:
+        with self._lock:
+            if self._started is None:
+                self._started = start
+            self.steps += 1
+            step = self.steps
+            self._step_times.append((step, start))
+        key = root_key(roots)
+        if key != self._root_key:
+            if self._root_key is not None:
+                self.reset()
+            self._root_key = key
+            self._paths = None
+
+        found = self._walk(roots, step) if self._walk_due(start) else None
+        if self.fix and step - self._last_fix_step >= self.fix_every and _evaluated_output(last_output):
+            self._fix(roots, found, step)
+        self._act(roots, last_output, step, walked=found is not None)
+
+    def _walk_due(self, now: float) -> bool:
+        elapsed = now - (self._started or now)
+        allowed = self.overhead_budget * elapsed + WALK_CREDIT_SECONDS
+        return self._walk_seconds + self._last_walk_cost <= allowed
+
+    def _walk(self, roots: Any, step: int) -> list[Found]:
+        t0 = time.perf_counter()
+        result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
+        if not result.found:
+            self._warn_once("empty", "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)", type(roots).__name__)
+        if result.truncated:
+            self._warn_once("cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut)
+        self._paths = [f.steps for f in result.found if all(kind != "set" for kind, _ in f.steps)]
+        reading = account([f.array for f in result.found])
+
+        sites: dict[str, list] = {}
+        for f, done, retained in zip(result.found, reading.evaluated_by_array, reading.retained_by_array):
+            entry = sites.setdefault(f.site, [0, 0, []])
+            if done:
+                entry[0] += 1
+            else:
+                entry[1] += retained
+                if retained and len(entry[2]) < MAX_PATHS_PER_SITE:
+                    entry[2].append(f.path)
+
+        cache_buffers = reading.evaluated_arrays
+        if EXACT_COUNTER is not None:
+            resident = int(EXACT_COUNTER())
+        else:
+            resident = self._parameter_buffers + cache_buffers + reading.retained_buffers
+        with self._lock:
+            since_fix = step - self._last_fix_step
+            for site, (held, retained, paths) in sites.items():
+                series = self._sites.get(site) or self._sites.setdefault(site, _SiteSeries())
+                series.total.append((step, held + retained))
+                series.held.append((step, held))
+                series.buffers, series.retained = held + retained, retained
+                if self._fixed_once:
+                    series.per_fix.append(retained / max(1, since_fix))
+                if paths:
+                    series.paths = tuple(paths)
+            self._samples.append((step, resident))
+            self._rate = fc.robust_slope(self._samples)
+            self._measured_step = step
+            self._measured_resident = resident
+            self._cache_buffers = cache_buffers
+            self._retained = reading.retained_buffers
+            self._pending_nodes = reading.pending_nodes
+            self.walks += 1
+        cost = time.perf_counter() - t0
+        self._walk_seconds += cost
+        self._last_walk_cost = cost
+        if self.on_forecast is not None:
+            try:
+                self.on_forecast(self.forecast())
+            except Exception as exc:
+                self._internal_error("on_forecast callback", exc)
+        return result.found
+
+    def _fix(self, roots: Any, found: Optional[list[Found]], step: int) -> None:
+        arrays = [f.array for f in found] if found is not None else self._resolve_arrays(roots)
+        pending = [a for a in arrays if not is_evaluated(a)]
+        if pending:
+            try:
+                mx.async_eval(pending)
+            except Exception as exc:  # counted and logged; the decode goes on
+                self._internal_error("materialize", exc)
+                return
+        with self._lock:
+            if found is not None:
+                reclaimed = self._retained  # measured by this step's walk, just before the fix
+            else:
+                fixing = self._fixed_once
+                per_step = sum(s.rate(fixing) for s in self._sites.values()) if fixing else max(0.0, self._rate)
+                reclaimed = per_step * (step - self._last_fix_step)
+            self.materialized_arrays += len(pending)
+            self.reclaimed_buffers += reclaimed if pending else 0
+            self._last_fix_step = step
+            self._fixed_once = True
+
+    def _resolve_arrays(self, roots: Any) -> list[mx.array]:
+        """The arrays at the paths found by the last walk, re-read without a walk."""
+        if self._paths is None:
+            result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
+            self._paths = [f.steps for f in result.found if all(kind != "set" for kind, _ in f.steps)]
+        arrays = []
+        for steps in self._paths:
+            try:
+                value = resolve(roots, steps)
+            except Exception:  # the structure changed: the next walk will see the new one
+                continue
+            if isinstance(value, mx.array):
+                arrays.append(value)
+        return arrays
+
+    def _act(self, roots: Any, last_output: Any, step: int, walked: bool) -> None:
+        if self.stop_within is None and self.warn_within is None and self.coordinator is None:
+            return
+        forecast = self.forecast()
+        stl = forecast.steps_to_limit
+        if self.coordinator is not None:
+            stl = self.coordinator.worst(step, stl)
+        if self.stop_within is not None and stl <= self.stop_within:
+            if self.fix and _evaluated_output(last_output):
+                # Try the fix first: materialize everything now and measure again.
+                self._fix(roots, None, step)
+                self._walk(roots, step)
+                forecast = self.forecast()
+                stl = forecast.steps_to_limit
+                if self.coordinator is not None:
+                    stl = self.coordinator.worst(step, stl)
+            if stl <= self.stop_within:
+                self.record_stop("forecast")
+                logger.error("mlx-watchdog: stopping the generation: %s", forecast.describe())
+                raise ResourceLimitForecast(forecast)
+        if self.warn_within is not None and stl <= self.warn_within:
+            now = time.monotonic()
+            if now - self._last_warn >= WARN_INTERVAL_SECONDS:
+                self._last_warn = now
+                logger.warning("mlx-watchdog: resource limit forecast: %s (fix: Watchdog(fix=True) or `mlx-watchdog serve --fix`)", forecast.describe())
+
+    # ----------------------------------------------------------------- helpers
+
+    def _reset_series(self) -> None:
+        self._samples: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
+        self._sites: dict[str, _SiteSeries] = {}
+        self._rate = 0.0
+        self._measured_step = self.steps
+        self._measured_resident = self._parameter_buffers
+        self._cache_buffers = 0
+        self._retained = 0
+        self._pending_nodes = 0
+        self._fixed_once = False
+        self._last_fix_step = self.steps
+
+    def _resident_now(self, step: int) -> float:
+        return self._measured_resident + max(0.0, self._rate) * (step - self._measured_step)
+
+    def _step_rate(self) -> float:
+        if len(self._step_times) < 2:
+            return 0.0
+        (s0, t0), (s1, t1) = self._step_times[0], self._step_times[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def _internal_error(self, where: str, exc: BaseException) -> None:
+        with self._lock:
+            self.internal_errors += 1
+            count = self.internal_errors
+        if count <= 3 or count % 1000 == 0:
+            logger.warning("mlx-watchdog internal error #%d in %s: %r (the decode goes on)", count, where, exc, exc_info=count <= 1)
+
+    def _warn_once(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
+
+
+def _evaluated_output(output: Any) -> bool:
+    """Has the program evaluated or scheduled its last output? (True when unknown.)"""
+    if output is None:
+        return True
+    if isinstance(output, mx.array):
+        return is_evaluated(output)
+    if isinstance(output, (list, tuple)):
+        for item in output:
+            if isinstance(item, mx.array):
+                return is_evaluated(item)
+    return True
+
+
+def _check_positive_int(label: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{label} must be a positive integer, got {value!r}")

@@ -1,0 +1,94 @@
+"""Forecast: a robust growth rate and the step and time at which the limit is reached."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Leak:
+    """A site whose buffers grow: ``"ArraysCache.left_padding"`` over all layers."""
+
+    site: str
+    paths: tuple[str, ...]  # concrete paths from the root, e.g. "[7].left_padding"
+    buffers_per_step: float  # for the whole site
+    buffers: int  # buffers held at the site at the last measurement
+
+
+@dataclasses.dataclass(frozen=True)
+class Forecast:
+    """What the watchdog knows after ``step`` observed steps."""
+
+    step: int
+    resident_buffers: int  # estimate of live buffer objects now
+    limit: int
+    buffers_per_step: float  # net growth of resident buffers (0 when flat)
+    steps_to_limit: float  # math.inf when not growing
+    seconds_to_limit: float  # math.inf when not growing
+    leaks: tuple[Leak, ...] = ()  # biggest first
+    step_rate: float = 0.0  # observed steps per second
+    source: str = "estimate"  # "estimate", or the name of MLX's exact counter when one exists
+    parameter_buffers: int = 0
+    cache_buffers: int = 0
+    retained_buffers: int = 0
+    pending_graph_nodes: int = 0
+    measured_step: int = 0  # the step of the last graph walk (later steps are extrapolated)
+    prefill_graph_nodes: Optional[int] = None
+    max_safe_prefill_tokens: Optional[int] = None
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def limit_step(self) -> float:
+        """The step at which the estimate reaches the limit (math.inf when never)."""
+        return self.step + self.steps_to_limit
+
+    def describe(self) -> str:
+        top = ", ".join(f"{l.site} +{l.buffers_per_step:.3g}/step" for l in self.leaks[:3]) or "none"
+        return (
+            f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, "
+            f"{self.buffers_per_step:+.3g}/step, limit in {_fmt(self.steps_to_limit)} steps "
+            f"({_fmt(self.seconds_to_limit)} s); leak sites: {top}"
+        )
+
+
+def _fmt(x: float) -> str:
+    return "never" if math.isinf(x) else f"{x:.0f}"
+
+
+def robust_slope(points: Sequence[tuple[float, float]]) -> float:
+    """Theil-Sen slope: the median of pairwise slopes.
+
+    Robust to a chain that is drained now and then (one big drop among many small rises)
+    and to bursty growth (a chain that grows for k steps and collapses): over a window of
+    several bursts most pairs are far apart and see the long-run trend."""
+    if len(points) < 2:
+        return 0.0
+    data = np.asarray(points, dtype=np.float64)
+    x, y = data[:, 0], data[:, 1]
+    i, j = np.triu_indices(len(x), k=1)
+    dx = x[j] - x[i]
+    keep = dx > 0
+    if not keep.any():
+        return 0.0
+    return float(np.median((y[j] - y[i])[keep] / dx[keep]))
+
+
+def steps_to_limit(resident: float, limit: int, rate: float) -> float:
+    if resident >= limit:
+        return 0.0
+    if rate <= 1e-9:
+        return math.inf
+    return (limit - resident) / rate
+
+
+def seconds_from_steps(steps: float, step_rate: float) -> float:
+    if math.isinf(steps):
+        return math.inf
+    if step_rate <= 0:
+        return math.inf if steps > 0 else 0.0
+    return steps / step_rate
