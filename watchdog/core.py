@@ -78,15 +78,15 @@ class _SiteSeries:
     def __init__(self) -> None:
         self.total = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, held + retained)
         self.held = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, evaluated arrays at the site)
-        self.per_fix = collections.deque(maxlen=8)  # retained / steps since the last fix
+        self.growth = collections.deque(maxlen=8)  # buffers/step seen by fix-mode probes
         self.paths: tuple[str, ...] = ()
         self.buffers = 0
         self.retained = 0
 
     def rate(self, fixing: bool) -> float:
-        if fixing and self.per_fix:
-            # The fix cuts the chains every step, so what a walk finds is one interval's growth.
-            return statistics.median(self.per_fix) + max(0.0, fc.robust_slope(self.held))
+        if fixing and self.growth:
+            # The fix cuts the chains, so the series stays flat; the probes saw the growth it cuts.
+            return statistics.median(self.growth)
         return fc.robust_slope(self.total)
 
 
@@ -275,17 +275,29 @@ class Watchdog:
             self._root_key = key
             self._paths = None
 
-        found = self._walk(roots, step) if self._walk_due(start) else None
-        if self.fix and step - self._last_fix_step >= self.fix_every and _evaluated_output(last_output):
+        # In fix mode a walk starts a probe: the fix waits one step, a second walk sees what one
+        # step adds to each site (the growth the fix cuts), then the fix runs.
+        probe_start = self._probe
+        self._probe = None
+        if probe_start is not None:
+            found = self._walk(roots, step, probe_start=probe_start)
+        elif self._walk_due(start):
+            found = self._walk(roots, step)
+            if self.fix:
+                self._probe = (step, {site: s.buffers for site, s in self._sites.items()})
+        else:
+            found = None
+        if (self.fix and self._probe is None and step - self._last_fix_step >= self.fix_every
+                and _evaluated_output(last_output)):
             self._fix(roots, found, step)
-        self._act(roots, last_output, step, walked=found is not None)
+        self._act(roots, last_output, step)
 
     def _walk_due(self, now: float) -> bool:
         elapsed = now - (self._started or now)
         allowed = self.overhead_budget * elapsed + WALK_CREDIT_SECONDS
         return self._walk_seconds + self._last_walk_cost <= allowed
 
-    def _walk(self, roots: Any, step: int) -> list[Found]:
+    def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[Found]:
         t0 = time.perf_counter()
         result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
         if not result.found:
@@ -311,18 +323,20 @@ class Watchdog:
         else:
             resident = self._parameter_buffers + cache_buffers + reading.retained_buffers
         with self._lock:
-            since_fix = step - self._last_fix_step
             for site, (held, retained, paths) in sites.items():
                 series = self._sites.get(site) or self._sites.setdefault(site, _SiteSeries())
-                series.total.append((step, held + retained))
-                series.held.append((step, held))
+                if probe_start is not None:
+                    start_step, start_buffers = probe_start
+                    before = start_buffers.get(site, 0)
+                    series.growth.append(max(0.0, (held + retained - before) / max(1, step - start_step)))
+                else:
+                    series.total.append((step, held + retained))
                 series.buffers, series.retained = held + retained, retained
-                if self._fixed_once:
-                    series.per_fix.append(retained / max(1, since_fix))
                 if paths:
                     series.paths = tuple(paths)
-            self._samples.append((step, resident))
-            self._rate = fc.robust_slope(self._samples)
+            if probe_start is None:
+                self._samples.append((step, resident))
+                self._rate = fc.robust_slope(self._samples)
             self._measured_step = step
             self._measured_resident = resident
             self._cache_buffers = cache_buffers
@@ -349,14 +363,12 @@ class Watchdog:
                 self._internal_error("materialize", exc)
                 return
         with self._lock:
-            if found is not None:
-                reclaimed = self._retained  # measured by this step's walk, just before the fix
-            else:
-                fixing = self._fixed_once
-                per_step = sum(s.rate(fixing) for s in self._sites.values()) if fixing else max(0.0, self._rate)
-                reclaimed = per_step * (step - self._last_fix_step)
+            # What the cut chains would have kept: the growth the probes measured, per step.
+            probed = [s.rate(True) for s in self._sites.values() if s.growth]
+            per_step = sum(probed) if probed else max(0.0, self._rate)
             self.materialized_arrays += len(pending)
-            self.reclaimed_buffers += reclaimed if pending else 0
+            if pending:
+                self.reclaimed_buffers += per_step * (step - self._last_fix_step)
             self._last_fix_step = step
             self._fixed_once = True
 
@@ -375,7 +387,7 @@ class Watchdog:
                 arrays.append(value)
         return arrays
 
-    def _act(self, roots: Any, last_output: Any, step: int, walked: bool) -> None:
+    def _act(self, roots: Any, last_output: Any, step: int) -> None:
         if self.stop_within is None and self.warn_within is None and self.coordinator is None:
             return
         forecast = self.forecast()
@@ -385,6 +397,7 @@ class Watchdog:
         if self.stop_within is not None and stl <= self.stop_within:
             if self.fix and _evaluated_output(last_output):
                 # Try the fix first: materialize everything now and measure again.
+                self._probe = None
                 self._fix(roots, None, step)
                 self._walk(roots, step)
                 forecast = self.forecast()
@@ -414,6 +427,7 @@ class Watchdog:
         self._pending_nodes = 0
         self._fixed_once = False
         self._last_fix_step = self.steps
+        self._probe: Optional[tuple] = None
 
     def _resident_now(self, step: int) -> float:
         return self._measured_resident + max(0.0, self._rate) * (step - self._measured_step)

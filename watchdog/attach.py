@@ -1,0 +1,220 @@
+"""Attachment points: decide *when* ``Watchdog.observe`` runs and *what* the roots are.
+
+* ``watch_model(model)``: every ``model(inputs, cache=...)`` call is observed, whoever makes it
+  (``generate_step``, ``BatchGenerator``, speculative decoding, a custom loop).
+* ``@watch(...)``: a generate function with mlx-lm's calling convention, for one call.
+* ``watch_step(fn, cache=...)``: a bare step function.
+
+Like OpenTelemetry's instrumentors, attaching and detaching are symmetric and mlx-lm's classes
+are left untouched: ``watch_model`` gives the *instance* a subclass of its own class whose
+``__call__`` observes first, and ``unwatch_model`` gives the original class back. The watchdog
+lives on that subclass, not in the model (an ``nn.Module`` is a dict: attributes set on it
+would become parameters).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from typing import Any, Callable, Optional
+
+from .core import Watchdog
+
+_STATE = "_mlx_watchdog_state"
+_attach_lock = threading.Lock()
+
+
+class _ModelState:
+    """What a watched model carries on its per-instance subclass."""
+
+    def __init__(self, watchdog: Watchdog, original_class: type):
+        self.watchdog = watchdog
+        self.original_class = original_class
+        self.last_output: Any = None
+        self.prefill_hooks: list[Callable] = []  # fn(watchdog, inputs, output) after a multi-token forward
+
+
+def _observed_call(self, *args, **kwargs):
+    state: _ModelState = type(self).__dict__[_STATE]
+    watchdog = state.watchdog
+    inputs = args[0] if args else kwargs.get("inputs")
+    cache = kwargs["cache"] if "cache" in kwargs else (args[1] if len(args) > 1 else None)
+    if cache is not None:
+        last, state.last_output = state.last_output, None  # hold the output for one step only
+        watchdog.observe(cache, last_output=last)
+    output = state.original_class.__call__(self, *args, **kwargs)
+    if cache is not None:
+        state.last_output = output
+        if state.prefill_hooks and _tokens(inputs) > 1:
+            for hook in state.prefill_hooks:
+                hook(watchdog, inputs, output)
+    return output
+
+
+def _tokens(inputs: Any) -> int:
+    shape = getattr(inputs, "shape", None)
+    return int(shape[1]) if shape is not None and len(shape) >= 2 else 1
+
+
+def watched_state(model: Any) -> Optional[_ModelState]:
+    return type(model).__dict__.get(_STATE)
+
+
+def watch_model(model, watchdog: Optional[Watchdog] = None, **options):
+    """Observe every forward pass of ``model`` that is given a cache. Returns the same model
+    object, still an instance of its class. ``options`` create a :class:`Watchdog` when none
+    is given. Watching an already watched model swaps its watchdog."""
+    if watchdog is None:
+        watchdog = Watchdog(**options)
+    elif options:
+        raise ValueError("pass either watchdog= or Watchdog options, not both")
+    if not callable(model):
+        raise TypeError(f"watch_model needs a callable model, got {type(model).__name__}")
+    with _attach_lock:
+        state = watched_state(model)
+        if state is not None:
+            state.watchdog = watchdog
+        else:
+            original = type(model)
+            state = _ModelState(watchdog, original)
+            subclass = type(original.__name__, (original,), {
+                "__call__": _observed_call,
+                _STATE: state,
+                "__module__": original.__module__,
+                "__qualname__": original.__qualname__,
+                "__reduce_ex__": _reduce_unwatched,
+            })
+            model.__class__ = subclass
+    if watchdog.name_is_default:
+        watchdog.name = _model_name(model)
+        watchdog.name_is_default = False
+    if not watchdog._parameter_buffers:
+        watchdog.count_parameters(model)
+    return model
+
+
+def unwatch_model(model):
+    """Give the model its original class back. Returns the model."""
+    with _attach_lock:
+        state = watched_state(model)
+        if state is not None:
+            model.__class__ = state.original_class
+            state.last_output = None
+    return model
+
+
+def _reduce_unwatched(self, protocol):
+    # Pickles (and deep copies) see the original class: a copy is not watched.
+    state: _ModelState = type(self).__dict__[_STATE]
+    cls = self.__class__
+    try:
+        self.__class__ = state.original_class
+        return self.__reduce_ex__(protocol)
+    finally:
+        self.__class__ = cls
+
+
+def _model_name(model) -> str:
+    args = getattr(model, "args", None)
+    name = getattr(args, "model_type", None) or getattr(model, "model_type", None)
+    return str(name) if name else type(model).__name__
+
+
+def watch_step(fn: Callable, cache: Any, watchdog: Optional[Watchdog] = None, **options) -> Callable:
+    """Wrap a bare step function: each call observes ``cache`` first."""
+    if watchdog is None:
+        watchdog = Watchdog(**options)
+    elif options:
+        raise ValueError("pass either watchdog= or Watchdog options, not both")
+    if not callable(fn):
+        raise TypeError(f"watch_step needs a callable, got {fn!r}")
+    last: list[Any] = [None]
+
+    @functools.wraps(fn)
+    def step(*args, **kwargs):
+        previous, last[0] = last[0], None
+        watchdog.observe(cache, last_output=previous)
+        result = fn(*args, **kwargs)
+        last[0] = result
+        return result
+
+    step.watchdog = watchdog
+    return step
+
+
+def watch(fn: Optional[Callable] = None, *, watchdog: Optional[Watchdog] = None,
+          metrics_port: Optional[int] = None, metrics_addr: str = "127.0.0.1", **options):
+    """Decorator for generate functions with mlx-lm's convention
+    ``fn(model, tokenizer, prompt, ..., prompt_cache=None, ...)``.
+
+    Every forward pass of the call is observed. When the caller passes no ``prompt_cache`` and
+    the function accepts one, the cache is built here with the model's own rules
+    (``make_prompt_cache``), so the watchdog sees it from the first step. Works for plain
+    functions and generators (the watchdog steps as items are consumed and detaches when the
+    generator is closed). ``watchdog=`` shares one watchdog; otherwise one is created from
+    ``options`` for the decorated function. ``metrics_port`` starts the metrics server once."""
+    if fn is None:
+        return functools.partial(watch, watchdog=watchdog, metrics_port=metrics_port,
+                                 metrics_addr=metrics_addr, **options)
+    if watchdog is None:
+        watchdog = Watchdog(**options)
+    elif options:
+        raise ValueError("pass either watchdog= or Watchdog options, not both")
+    if metrics_port is not None:
+        from .exporters.prometheus import start_metrics_server
+
+        start_metrics_server(metrics_port, addr=metrics_addr)
+    signature = inspect.signature(fn)
+    takes_cache = "prompt_cache" in signature.parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+
+    def prepare(args, kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        model = bound.arguments.get("model", args[0] if args else None)
+        if model is None:
+            raise TypeError(f"{fn.__name__}() was called without a model")
+        if takes_cache and bound.arguments.get("prompt_cache") is None and hasattr(model, "layers"):
+            from mlx_lm.models.cache import make_prompt_cache
+
+            kwargs = dict(kwargs, prompt_cache=make_prompt_cache(model, max_kv_size=kwargs.get("max_kv_size")))
+        return model, kwargs
+
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def generator_wrapper(*args, **kwargs):
+            model, kwargs = prepare(args, kwargs)
+            with _Watching(model, watchdog):
+                yield from fn(*args, **kwargs)
+
+        generator_wrapper.watchdog = watchdog
+        return generator_wrapper
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        model, kwargs = prepare(args, kwargs)
+        with _Watching(model, watchdog):
+            return fn(*args, **kwargs)
+
+    wrapper.watchdog = watchdog
+    return wrapper
+
+
+class _Watching:
+    """Watch a model for the duration of a block; restore what was there before."""
+
+    def __init__(self, model, watchdog: Watchdog):
+        self.model, self.watchdog = model, watchdog
+
+    def __enter__(self):
+        state = watched_state(self.model)
+        self.previous = state.watchdog if state is not None else None
+        watch_model(self.model, self.watchdog)
+        return self.model
+
+    def __exit__(self, *exc):
+        if self.previous is None:
+            unwatch_model(self.model)
+        else:
+            watch_model(self.model, self.previous)
+        return False
