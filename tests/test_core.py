@@ -1,0 +1,235 @@
+"""The core: count what each step leaves resident, name the site, forecast the limit."""
+
+import logging
+import math
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator, generate_step
+
+from mlx_watchdog import Watchdog, find_arrays, materialize
+from mlx_watchdog.attach import watch_model
+from mlx_watchdog.graph import account, is_evaluated
+from mlx_watchdog.tiny import build_model, tiny_prompts
+
+
+class ScalarCache:
+    """A cache whose `countdown` is rebound each step to a lazy `x - 1` (Python int operand)."""
+
+    def __init__(self):
+        self.keys = mx.zeros((1, 4))
+        self.countdown = mx.array(1_000_000)
+        mx.eval(self.keys, self.countdown)
+
+    def step(self):
+        self.countdown = self.countdown - 1
+
+
+def test_scalar_chain_grows_exactly_one_buffer_per_step():
+    cache = ScalarCache()
+    wd = Watchdog(limit=5000, overhead_budget=1.0)  # walk every step: exact numbers
+    residents = []
+    for _ in range(60):
+        wd.observe(cache)
+        residents.append(wd.forecast().resident_buffers)
+        cache.step()
+    assert all(b - a == 1 for a, b in zip(residents, residents[1:]))
+    f = wd.forecast()
+    assert f.buffers_per_step == 1.0
+    assert f.leaks[0].site == "ScalarCache.countdown"
+    assert f.leaks[0].paths == ("countdown",)
+    assert f.pending_graph_nodes >= 59
+
+
+def test_forecast_at_one_percent_predicts_the_crossing_step_within_one_percent():
+    limit = 3000
+    cache = ScalarCache()
+    wd = Watchdog(limit=limit)  # default sampling budget
+    predicted = None
+    crossing = None
+    for step in range(1, 2 * limit):
+        wd.observe(cache)
+        f = wd.forecast()
+        if step == limit // 100:  # 1% of the run
+            predicted = f.limit_step
+        if f.resident_buffers >= limit:
+            crossing = step
+            break
+        cache.step()
+    assert predicted is not None and crossing is not None
+    assert abs(predicted - crossing) <= 0.01 * crossing
+    # The extrapolated estimate agrees with a real walk at the end.
+    reading = account([cache.keys, cache.countdown])
+    assert reading.evaluated_arrays + reading.retained_buffers == wd.forecast().resident_buffers
+    assert wd.walks < crossing  # walks were sampled, not run every step
+
+
+def _batched_decode(model, wd, steps, prompts):
+    watch_model(model, wd)
+    gen = BatchGenerator(model, max_tokens=steps)
+    gen.insert(prompts)
+    tokens = []
+    while responses := gen.next_generated():
+        tokens.append([r.token for r in responses])
+    gen.close()
+    return tokens
+
+
+def test_live_batched_leak_rate_and_site():
+    # 12 layers, full attention every 4th: 9 linear-attention layers -> 8 buffers per step.
+    model = build_model("qwen3_next", layers=12, full_attention_interval=4)
+    wd = Watchdog(limit=200_000)
+    _batched_decode(model, wd, 120, tiny_prompts(2, 6, 512))
+    f = wd.forecast()
+    assert f.buffers_per_step == pytest.approx(8, rel=0.05)
+    assert f.leaks[0].site == "ArraysCache.left_padding"
+    assert f.leaks[0].buffers_per_step == pytest.approx(8, rel=0.05)
+    assert len(f.leaks[0].paths) >= 8
+    assert f.parameter_buffers > 0 and f.cache_buffers > 0
+    assert math.isfinite(f.steps_to_limit) and f.seconds_to_limit > 0
+    assert f.step_rate > 0
+
+
+def test_plain_generate_step_is_flat():
+    model = build_model("qwen3_next", layers=12, full_attention_interval=4)
+    wd = Watchdog(limit=200_000)
+    watch_model(model, wd)
+    prompt = mx.array(tiny_prompts(1, 6, 512)[0])
+    for n, _ in enumerate(generate_step(prompt, model, max_tokens=120)):
+        pass
+    f = wd.forecast()
+    assert wd.steps >= 100
+    assert f.buffers_per_step < 0.01
+    assert f.leaks == ()
+    assert math.isinf(f.steps_to_limit) and math.isinf(f.seconds_to_limit)
+
+
+class CompressingCache:
+    """A model-specific cache with __slots__: rows pend in a concatenate chain until a group closes."""
+
+    __slots__ = ("window", "pending_rows", "compressed", "ratio", "n")
+
+    def __init__(self, ratio):
+        self.window = mx.zeros((1, 4))
+        self.pending_rows = None
+        self.compressed = mx.zeros((0, 4))
+        self.ratio, self.n = ratio, 0
+        mx.eval(self.window, self.compressed)
+
+    def update(self):
+        row = mx.ones((1, 4)) * self.n  # a fresh evaluated operand each step
+        mx.eval(row)
+        self.pending_rows = row if self.pending_rows is None else mx.concatenate([self.pending_rows, row])
+        self.n += 1
+        if self.n % self.ratio == 0:  # the group closes: compressed, chain cut
+            self.compressed = mx.concatenate([self.compressed, self.pending_rows.mean(0, keepdims=True)])
+            mx.eval(self.compressed)
+            self.pending_rows = None
+
+
+def test_bursty_chain_is_attributed_and_forecast_robustly():
+    caches = [CompressingCache(ratio=8) for _ in range(3)]
+    wd = Watchdog(limit=100_000, overhead_budget=1.0)
+    for _ in range(200):
+        wd.observe(caches)
+        for c in caches:
+            c.update()
+    f = wd.forecast()
+    # Each group adds one compressed row per 8 steps per layer; the pending chain collapses.
+    assert f.buffers_per_step < 0.5
+    sites = {leak.site for leak in f.leaks}
+    assert sites <= {"CompressingCache.pending_rows", "CompressingCache.compressed"}
+
+
+def test_unbounded_slot_chain_is_attributed_to_its_attribute():
+    caches = [CompressingCache(ratio=10**9) for _ in range(2)]  # the group never closes: a leak
+    wd = Watchdog(limit=100_000, overhead_budget=1.0)
+    for _ in range(50):
+        wd.observe(caches)
+        for c in caches:
+            c.update()
+    f = wd.forecast()
+    assert f.leaks[0].site == "CompressingCache.pending_rows"
+    assert f.leaks[0].buffers_per_step == pytest.approx(2, rel=0.05)
+    assert set(f.leaks[0].paths) == {"[0].pending_rows", "[1].pending_rows"}
+
+
+def test_deepseek_v41_layer_cache_is_walked_without_invoking_state():
+    model = build_model("deepseek_v41", layers=4)
+    cache = model.make_cache()
+    wd = Watchdog(limit=100_000, overhead_budget=1.0)
+    watch_model(model, wd)
+    prompt = mx.array(tiny_prompts(1, 5, 512)[0])
+    for _ in generate_step(prompt, model, max_tokens=12, prompt_cache=cache):
+        pass
+    paths = [p for p, _ in find_arrays(cache)]
+    assert any(p.endswith(".window") for p in paths)
+    assert any("compress_kv" in p or "pending_kv" in p for p in paths)
+    assert wd.internal_errors == 0
+    assert wd.forecast().buffers_per_step < 0.5  # mlx-lm's plain path evaluates it
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, "100", True])
+def test_bad_limits_are_rejected_with_a_clear_error(bad):
+    with pytest.raises(ValueError, match="limit"):
+        Watchdog(limit=bad)
+
+
+def test_default_limit_is_the_device_limit_or_499000():
+    from mlx_watchdog.limits import device_resource_limit
+
+    assert Watchdog().limit == (device_resource_limit() or 499_000)
+
+
+@pytest.mark.parametrize("option", ["warn_within", "stop_within"])
+def test_bad_thresholds(option):
+    with pytest.raises(ValueError, match=option):
+        Watchdog(**{option: -1})
+
+
+def test_roots_without_arrays_warn_once_and_do_not_crash(caplog):
+    wd = Watchdog(limit=100)
+    with caplog.at_level(logging.WARNING, logger="mlx_watchdog"):
+        for _ in range(5):
+            wd.observe({"nothing": [1, 2, "three"]})
+    assert sum("hold no mx.array" in r.message for r in caplog.records) == 1
+    assert wd.steps == 5 and wd.internal_errors == 0
+
+
+def test_internal_failures_are_counted_and_the_decode_goes_on(monkeypatch, caplog):
+    import mlx_watchdog.core as core
+
+    def broken(arrays):
+        raise RuntimeError("walk failed")
+
+    monkeypatch.setattr(core, "account", broken)
+    wd = Watchdog(limit=100)
+    cache = ScalarCache()
+    with caplog.at_level(logging.WARNING, logger="mlx_watchdog"):
+        for _ in range(3):
+            wd.observe(cache)
+            cache.step()
+    assert wd.internal_errors == 3 and wd.steps == 3
+    assert any("internal error" in r.message for r in caplog.records)
+
+
+def test_materialize_cuts_pending_chains():
+    cache = ScalarCache()
+    for _ in range(10):
+        cache.step()
+    assert not is_evaluated(cache.countdown)
+    assert materialize([cache]) == 1
+    assert is_evaluated(cache.countdown)
+    assert cache.countdown.item() == 1_000_000 - 10
+    assert account([cache.countdown]).retained_buffers == 0
+
+
+def test_walk_cost_is_budgeted_as_graphs_grow():
+    cache = ScalarCache()
+    wd = Watchdog(limit=10**6, overhead_budget=0.01)
+    for _ in range(3000):
+        wd.observe(cache)
+        cache.step()
+    # Walks become rarer as the chain grows; the forecast still tracks +1/step.
+    assert wd.walks < 3000
+    assert wd.forecast().buffers_per_step == pytest.approx(1.0)

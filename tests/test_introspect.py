@@ -1,0 +1,193 @@
+"""find_arrays / scan: every reachable array once, with a path, on any object graph."""
+
+import dataclasses
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_watchdog import find_arrays
+from mlx_watchdog.introspect import resolve, scan
+
+
+class Slotted:
+    __slots__ = ("keys", "rows", "unset")
+
+    def __init__(self):
+        self.keys = mx.zeros((2,))
+        self.rows = [mx.ones((1,))]
+
+
+@dataclasses.dataclass
+class Meta:
+    pos: mx.array
+    name: str = "m"
+
+
+class Exploding:
+    """An object whose attribute access raises: the walk must not."""
+
+    def __init__(self):
+        self.ok = mx.array(1)
+
+    @property
+    def state(self):  # properties are never invoked
+        raise AssertionError("property was invoked")
+
+
+class HostileDict:
+    @property
+    def __dict__(self):
+        raise RuntimeError("no dict for you")
+
+
+def test_paths_sites_and_no_property_calls():
+    cache = [Slotted(), {"meta": Meta(mx.array(3))}, Exploding()]
+    found = {f.path: f for f in scan(cache).found}
+    assert set(found) == {"[0].keys", "[0].rows[0]", "[1]['meta'].pos", "[2].ok"}
+    assert found["[0].keys"].site == "Slotted.keys"
+    assert found["[0].rows[0]"].site == "Slotted.rows"
+    assert found["[1]['meta'].pos"].site == "Meta.pos"
+    for f in found.values():
+        assert resolve(cache, f.steps) is f.array
+
+
+def test_shared_arrays_and_cycles_counted_once():
+    a = mx.array([1.0])
+    node = {"a": a, "b": a}
+    node["self"] = node
+    lst = [node, node, [a]]
+    lst.append(lst)
+    assert [p for p, _ in find_arrays(lst)] == ["[0]['a']"]
+
+
+def test_opaque_objects_and_hostile_access_do_not_break_the_walk():
+    import math
+
+    roots = [math, len, int, print, HostileDict(), Exploding(), (x for x in range(3))]
+    result = scan(roots)
+    assert [f.path for f in result.found] == ["[5].ok"]
+    assert result.cut.get("error", 0) == 1  # the hostile __dict__ is reported, not raised
+
+
+def test_deep_and_wide_graphs_are_bounded_and_reported():
+    deep = mx.array(0)
+    for _ in range(500):
+        deep = [deep]
+    result = scan(deep, max_depth=64)
+    assert result.found == [] and result.cut["depth"] == 1
+
+    wide = [[mx.array(i)] for i in range(2000)]
+    result = scan(wide, max_objects=100)
+    assert result.truncated and result.cut["objects"] > 0
+    assert len(result.found) == 99  # root list + 99 inner lists were walked
+
+
+def test_module_roots_are_walked_as_dicts():
+    import mlx.nn as nn
+
+    layer = nn.Linear(2, 3)
+    paths = {p for p, _ in find_arrays(layer)}
+    assert paths == {"['weight']", "['bias']"}
+
+
+# ---------------------------------------------------------------- property-based
+
+def _structures():
+    leaves = st.one_of(
+        st.integers(),
+        st.text(max_size=3),
+        st.none(),
+        st.builds(lambda v: mx.array(v), st.integers(-5, 5)),
+    )
+    return st.recursive(
+        leaves,
+        lambda children: st.one_of(
+            st.lists(children, max_size=4),
+            st.tuples(children, children),
+            st.dictionaries(st.text(min_size=1, max_size=3), children, max_size=4),
+            st.builds(_Obj, children, children),
+        ),
+        max_leaves=25,
+    )
+
+
+class _Obj:
+    def __init__(self, left, right):
+        self.left, self.right = left, right
+
+
+def _expected_arrays(obj, seen=None):
+    """Reference: a plain recursive walk (arrays by identity)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, mx.array):
+        return {id(obj)}
+    if id(obj) in seen or isinstance(obj, (int, str, type(None))):
+        return set()
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif isinstance(obj, _Obj):
+        items = [obj.left, obj.right]
+    else:
+        items = []
+    out = set()
+    for item in items:
+        out |= _expected_arrays(item, seen)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(_structures(), st.data())
+def test_find_arrays_matches_reference_walk_with_cycles(structure, data):
+    root = [structure]
+    # Add cycles: make some containers point back to the root.
+    containers = [o for o in _containers(structure) if isinstance(o, (list, dict, _Obj))]
+    for c in containers[: data.draw(st.integers(0, 3))]:
+        if isinstance(c, list):
+            c.append(root)
+        elif isinstance(c, dict):
+            c["cycle"] = root
+        else:
+            c.back = root
+    found = find_arrays(root)
+    ids = [id(a) for _, a in found]
+    assert len(ids) == len(set(ids)), "each array once"
+    assert set(ids) == _expected_arrays(root) | _cycle_free_extra(root)
+    result = scan(root)
+    for f in result.found:
+        assert resolve(root, f.steps) is f.array
+
+
+def _cycle_free_extra(root):
+    return set()  # `back` attributes only point at the root, which adds no new arrays
+
+
+def _containers(obj, seen=None):
+    seen = set() if seen is None else seen
+    if id(obj) in seen or isinstance(obj, (int, str, type(None), mx.array)):
+        return []
+    seen.add(id(obj))
+    out = [obj]
+    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else (
+        [obj.left, obj.right] if isinstance(obj, _Obj) else [])
+    for child in list(children):
+        out += _containers(child, seen)
+    return out
+
+
+def test_scan_rejects_nothing_and_handles_empty_roots():
+    assert find_arrays(None) == []
+    assert find_arrays([]) == []
+    assert find_arrays(mx.array(1))[0][0] == "<root>"
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_scan_bounds_must_be_positive_through_watchdog(bad):
+    from mlx_watchdog import Watchdog
+
+    with pytest.raises(ValueError, match="max_objects"):
+        Watchdog(max_objects=bad)
