@@ -5,7 +5,7 @@ One ``Watchdog`` follows one model's decode. ``observe(roots)`` runs once per st
 previous step (observing right after the forward would walk the whole forward graph).
 
 Cost control: a graph walk is O(graph) and cannot be cut short, so walks are *sampled*.
-A walk runs only while the time spent walking stays within ``overhead_budget`` of the decode's
+A walk runs only while the watchdog's own time stays within ``overhead_budget`` of the decode's
 wall time (plus a small start-up credit, so the first steps are measured densely). Between
 walks the forecast extrapolates from the last measurement.
 """
@@ -295,7 +295,8 @@ class Watchdog:
     def _walk_due(self, now: float) -> bool:
         elapsed = now - (self._started or now)
         allowed = self.overhead_budget * elapsed + WALK_CREDIT_SECONDS
-        return self._walk_seconds + self._last_walk_cost <= allowed
+        # Everything the watchdog spends counts, not only walks: per-step work squeezes walks out.
+        return self.overhead_seconds + self._last_walk_cost <= allowed
 
     def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[Found]:
         t0 = time.perf_counter()

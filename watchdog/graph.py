@@ -17,9 +17,15 @@ means a buffer shared by two pending chains is counted once.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Sequence
 
 import mlx.core as mx
+
+
+# An array line: `{ rank=source; "A"; }` evaluated, `{ "A"; }` or `{ rank=sink; "A"; }` pending.
+_ARRAY = re.compile(r'^\{ (?:rank=(source|sink); )?"([^"]+)"; \}$', re.M)
+_PRIMITIVE = "shape=rectangle]; }"
 
 
 @dataclasses.dataclass
@@ -65,58 +71,28 @@ def is_evaluated(array: mx.array) -> bool:
 def account(arrays: Sequence[mx.array]) -> GraphReading:
     """Walk the lazy graphs of ``arrays`` once and attribute every retained buffer.
 
-    A buffer reachable from several pending arrays goes to the first of them, so the
-    per-array counts add up to the total."""
+    MLX writes the graph in post-order, output by output: every node is written after its
+    inputs, and a node already written is not written again. So the evaluated buffers written
+    between two of our arrays belong to the graph of the second one: one linear pass attributes
+    them, and the per-array counts add up to the total."""
     if not arrays:
         return GraphReading(0, 0, 0, 0, [], [], 0)
     text = export_dot(arrays)
-    evaluated: set[str] = set()
-    pending_nodes = 0
-    producer: dict[str, str] = {}  # array name -> primitive id that produces it
-    inputs: dict[str, list[str]] = {}  # primitive id -> input array names
-    for line in text.split("\n"):
-        if line.startswith('{ rank=source; "'):
-            evaluated.add(line[16:-4])
-        elif line.startswith('"'):
-            name, _, prim = line.partition('" -> ')
-            inputs.setdefault(prim, []).append(name[1:])
-        elif line.endswith('"'):
-            prim, _, name = line.partition(' -> "')
-            if name:
-                producer[name[:-1]] = prim
-        elif line.endswith("shape=rectangle]; }"):
-            pending_nodes += 1
-
-    names = [f"n{i}" for i in range(len(arrays))]
-    ours = set(names)
-    is_done = [n in evaluated for n in names]
     retained_by_array = [0] * len(arrays)
-    visited_arrays: set[str] = set()
-    visited_prims: set[str] = set()
-    for i, name in enumerate(names):
-        if is_done[i]:
-            continue
-        count = 0
-        stack = [name]
-        while stack:
-            node = stack.pop()
-            if node in visited_arrays:
-                continue
-            visited_arrays.add(node)
-            if node in evaluated:
-                if node not in ours:  # our own evaluated arrays are counted as cache buffers
-                    count += 1
-                continue
-            prim = producer.get(node)
-            if prim is None or prim in visited_prims:
-                continue
-            visited_prims.add(prim)
-            stack.extend(inputs.get(prim, ()))
-        retained_by_array[i] = count
+    is_done = [False] * len(arrays)
+    since_last_root = 0
+    for rank, name in _ARRAY.findall(text):
+        if name[0] == "n" and name[1:].isdigit():  # one of ours (MLX's own names are capitals)
+            i = int(name[1:])
+            is_done[i] = rank == "source"
+            retained_by_array[i] += since_last_root
+            since_last_root = 0
+        elif rank == "source":
+            since_last_root += 1
     return GraphReading(
         evaluated_arrays=sum(is_done),
         pending_arrays=len(arrays) - sum(is_done),
-        pending_nodes=pending_nodes,
+        pending_nodes=text.count(_PRIMITIVE),
         retained_buffers=sum(retained_by_array),
         retained_by_array=retained_by_array,
         evaluated_by_array=is_done,
@@ -128,4 +104,4 @@ def graph_size(arrays: Sequence[mx.array]) -> tuple[int, int]:
     """(pending nodes, distinct evaluated buffers) of the lazy graph behind ``arrays``:
     what evaluating them would run and read. Used to size a prefill chunk before it runs."""
     text = export_dot(arrays)
-    return text.count("shape=rectangle]; }"), text.count("{ rank=source; ")
+    return text.count(_PRIMITIVE), text.count("{ rank=source; ")
