@@ -1,0 +1,763 @@
+#!/usr/bin/env python3
+"""Generate grafana/dashboards/mlx-watchdog.json.
+
+The dashboard JSON is committed (Grafana imports and provisions it as is); this
+script is its source. To change the dashboard, edit this file and run
+
+    python3 grafana/make_dashboard.py
+
+tests/test_grafana.py fails when the committed JSON and this script disagree.
+(If you edit the dashboard in Grafana instead, export it with "Export for
+sharing externally" OFF and port the change back here.)
+
+Target: Grafana 10.4 / 11.x, classic dashboard JSON, schemaVersion 39.
+Standard library only.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "dashboards" / "mlx-watchdog.json"
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+# Every query is restricted to the selected watchdog(s), instance(s) and rank(s).
+# The variables' "All" value is `.*`, which also matches series that have no
+# `rank` label at all (single-process runs).
+SEL = 'watchdog=~"$watchdog",instance=~"$instance",rank=~"$rank"'
+LEGEND = "{{watchdog}} {{instance}} {{rank}}"
+
+# Alert thresholds (keep in sync with rules/mlx-watchdog-alerts.yml).
+SOON_STEPS, IMMINENT_STEPS = 20000, 2000
+SOON_SECONDS, IMMINENT_SECONDS = 1800, 300
+
+
+class Layout:
+    """Hands out unique panel ids and non-overlapping gridPos, row by row."""
+
+    def __init__(self) -> None:
+        self.next_id = 1
+        self.y = 0
+        self.x = 0
+        self.row_h = 0
+        self.panels: list[dict] = []
+
+    def _id(self) -> int:
+        pid = self.next_id
+        self.next_id += 1
+        return pid
+
+    def row(self, title: str) -> None:
+        self.newline()
+        self.panels.append(
+            {
+                "id": self._id(),
+                "type": "row",
+                "title": title,
+                "collapsed": False,
+                "datasource": DS,
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y},
+                "panels": [],
+            }
+        )
+        self.y += 1
+
+    def newline(self) -> None:
+        if self.x:
+            self.y += self.row_h
+        self.x = 0
+        self.row_h = 0
+
+    def add(self, panel: dict, w: int, h: int) -> None:
+        if self.x + w > 24:
+            self.newline()
+        panel = {"id": self._id(), **panel, "gridPos": {"h": h, "w": w, "x": self.x, "y": self.y}}
+        self.panels.append(panel)
+        self.x += w
+        self.row_h = max(self.row_h, h)
+        if self.x == 24:
+            self.newline()
+
+
+def target(expr: str, legend: str = LEGEND, ref: str = "A", instant: bool = False, fmt: str = "time_series") -> dict:
+    return {
+        "datasource": DS,
+        "editorMode": "code",
+        "expr": expr,
+        "format": fmt,
+        "instant": instant,
+        "legendFormat": legend,
+        "range": not instant,
+        "refId": ref,
+    }
+
+
+def thresholds(*steps: tuple[float | None, str]) -> dict:
+    return {"mode": "absolute", "steps": [{"color": c, "value": v} for v, c in steps]}
+
+
+def ts_custom(**overrides) -> dict:
+    custom = {
+        "axisBorderShow": False,
+        "axisCenteredZero": False,
+        "axisColorMode": "text",
+        "axisLabel": "",
+        "axisPlacement": "auto",
+        "barAlignment": 0,
+        "drawStyle": "line",
+        "fillOpacity": 10,
+        "gradientMode": "none",
+        "hideFrom": {"legend": False, "tooltip": False, "viz": False},
+        "insertNulls": False,
+        "lineInterpolation": "linear",
+        "lineWidth": 1,
+        "pointSize": 4,
+        "scaleDistribution": {"type": "linear"},
+        "showPoints": "never",
+        "spanNulls": False,
+        "stacking": {"group": "A", "mode": "none"},
+        "thresholdsStyle": {"mode": "off"},
+    }
+    custom.update(overrides)
+    return custom
+
+
+def timeseries(
+    title: str,
+    description: str,
+    targets: list[dict],
+    unit: str,
+    *,
+    custom: dict | None = None,
+    th: dict | None = None,
+    overrides: list | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    decimals: int | None = None,
+) -> dict:
+    defaults: dict = {
+        "color": {"mode": "palette-classic"},
+        "custom": ts_custom(**(custom or {})),
+        "mappings": [],
+        "thresholds": th or thresholds((None, "green")),
+        "unit": unit,
+    }
+    if minimum is not None:
+        defaults["min"] = minimum
+    if maximum is not None:
+        defaults["max"] = maximum
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": overrides or []},
+        "options": {
+            "legend": {"calcs": ["lastNotNull", "max"], "displayMode": "table", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
+
+
+def fixed_color_override(name: str, color: str, dashed: bool = True) -> dict:
+    props = [
+        {"id": "color", "value": {"fixedColor": color, "mode": "fixed"}},
+        {"id": "custom.fillOpacity", "value": 0},
+        {"id": "custom.lineWidth", "value": 2},
+    ]
+    if dashed:
+        props.append({"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}})
+    return {"matcher": {"id": "byName", "options": name}, "properties": props}
+
+
+def stat(
+    title: str,
+    description: str,
+    targets: list[dict],
+    unit: str,
+    th: dict,
+    *,
+    mappings: list | None = None,
+    graph: str = "none",
+    color_mode: str = "background",
+    decimals: int | None = None,
+    no_value: str | None = None,
+) -> dict:
+    defaults: dict = {
+        "color": {"mode": "thresholds"},
+        "mappings": mappings or [],
+        "thresholds": th,
+        "unit": unit,
+    }
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    if no_value is not None:
+        defaults["noValue"] = no_value
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": targets,
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "colorMode": color_mode,
+            "graphMode": graph,
+            "justifyMode": "auto",
+            "orientation": "auto",
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "showPercentChange": False,
+            "textMode": "value_and_name",
+            "wideLayout": True,
+        },
+    }
+
+
+# +Inf (not growing) arrives in Grafana as the number Infinity; a value
+# mapping keyed "Infinity" replaces it with words.
+STOPS_ANNOTATION = f"sum by (watchdog, reason) (increase(mlx_watchdog_stops_total{{{SEL}}}[$__interval])) > 0"
+
+NOT_GROWING = [
+    {"type": "value", "options": {"Infinity": {"color": "green", "index": 0, "text": "not growing"}}},
+]
+
+
+def build() -> dict:
+    L = Layout()
+
+    # ------------------------------------------------------------ forecast
+    L.row("Forecast: when will Metal's buffer limit be hit?")
+    L.add(
+        stat(
+            "Steps to limit",
+            "How many more decode steps (about one generated token each) this process can run before the "
+            "number of live Metal buffers reaches the limit and MLX fails with "
+            "`[metal::malloc] Resource limit (499000) exceeded`. Computed by the watchdog as "
+            "(buffer limit - resident buffers) / buffers gained per step. 'not growing' (+Inf) means the "
+            f"buffer count is flat: no leak. Orange below {SOON_STEPS}, red below {IMMINENT_STEPS} steps "
+            "(the thresholds of the Prometheus alerts). One value per process / rank.",
+            [target(f"mlx_watchdog_steps_to_limit{{{SEL}}}")],
+            "none",
+            thresholds((None, "red"), (IMMINENT_STEPS, "orange"), (SOON_STEPS, "green")),
+            mappings=NOT_GROWING,
+            decimals=0,
+        ),
+        w=6,
+        h=6,
+    )
+    L.add(
+        stat(
+            "Time to limit",
+            "The same forecast in wall-clock time: steps to limit divided by the current decode step rate. "
+            "'not growing' (+Inf) means no leak, or no decoding right now (step rate 0). Orange below "
+            f"{SOON_SECONDS // 60} minutes, red below {IMMINENT_SECONDS // 60} minutes (the alert thresholds).",
+            [target(f"mlx_watchdog_seconds_to_limit{{{SEL}}}")],
+            "s",
+            thresholds((None, "red"), (IMMINENT_SECONDS, "orange"), (SOON_SECONDS, "green")),
+            mappings=NOT_GROWING,
+        ),
+        w=6,
+        h=6,
+    )
+    usage = {
+        "type": "gauge",
+        "title": "Buffers used (% of limit)",
+        "description": "Resident Metal buffers as a share of Metal's resource limit (about 499000 buffers "
+        "on macOS). The limit counts buffers, not bytes: many small arrays can exhaust it while plenty of "
+        "memory is free. 100% is the crash.",
+        "datasource": DS,
+        "targets": [
+            target(f"mlx_watchdog_resident_buffers{{{SEL}}} / mlx_watchdog_resource_limit_buffers{{{SEL}}}")
+        ],
+        "fieldConfig": {
+            "defaults": {
+                "color": {"mode": "thresholds"},
+                "mappings": [],
+                "max": 1,
+                "min": 0,
+                "thresholds": thresholds((None, "green"), (0.8, "orange"), (0.95, "red")),
+                "unit": "percentunit",
+            },
+            "overrides": [],
+        },
+        "options": {
+            "minVizHeight": 75,
+            "minVizWidth": 75,
+            "orientation": "auto",
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "showThresholdLabels": False,
+            "showThresholdMarkers": True,
+            "sizing": "auto",
+        },
+    }
+    L.add(usage, w=6, h=6)
+    top_sites = {
+        "type": "bargauge",
+        "title": "Top leak sites (buffers per step)",
+        "description": "The cache attributes (for example `ArraysCache.left_padding`) that the watchdog blames "
+        "for the growth, ranked by how many Metal buffers each one leaves alive per decode step (top 10 "
+        "over the selected processes, current value). Empty means nothing is leaking. These are the "
+        "attributes `mlx-watchdog serve --fix` / `Watchdog(fix=True)` repairs.",
+        "datasource": DS,
+        "targets": [
+            target(
+                f"topk(10, max by (watchdog, site) (mlx_watchdog_leak_buffers_per_step{{{SEL}}}) > 0)",
+                legend="{{site}} ({{watchdog}})",
+                instant=True,
+            )
+        ],
+        "fieldConfig": {
+            "defaults": {
+                "color": {"mode": "thresholds"},
+                "decimals": 2,
+                "mappings": [],
+                "min": 0,
+                "noValue": "no leaking site",
+                "thresholds": thresholds((None, "green"), (0.001, "orange"), (1, "red")),
+                "unit": "suffix:buffers/step",
+            },
+            "overrides": [],
+        },
+        "options": {
+            "displayMode": "gradient",
+            "maxVizHeight": 300,
+            "minVizHeight": 16,
+            "minVizWidth": 8,
+            "namePlacement": "auto",
+            "orientation": "horizontal",
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "showUnfilled": True,
+            "sizing": "auto",
+            "valueMode": "color",
+        },
+    }
+    L.add(top_sites, w=6, h=6)
+
+    info = {
+        "type": "table",
+        "title": "Processes: versions and fix",
+        "description": "One row per watched process (from the `mlx_watchdog_info` metric): the watchdog "
+        "name, scrape address and rank, whether the leak fix is on, and the mlx-watchdog, MLX and mlx-lm "
+        "versions and the MLX device. If a leak is reported while `fix` is off, restart with "
+        "`mlx-watchdog serve --fix` or `Watchdog(fix=True)`.",
+        "datasource": DS,
+        "targets": [target(f"mlx_watchdog_info{{{SEL}}}", legend="", instant=True, fmt="table")],
+        "transformations": [
+            {
+                "id": "organize",
+                "options": {
+                    "excludeByName": {"Time": True, "Value": True, "Value #A": True, "__name__": True, "job": True},
+                    "indexByName": {
+                        "watchdog": 0,
+                        "instance": 1,
+                        "rank": 2,
+                        "fix": 3,
+                        "version": 4,
+                        "mlx_version": 5,
+                        "mlx_lm_version": 6,
+                        "device": 7,
+                    },
+                    "renameByName": {},
+                },
+            }
+        ],
+        "fieldConfig": {
+            "defaults": {
+                "color": {"mode": "thresholds"},
+                "custom": {"align": "auto", "cellOptions": {"type": "auto"}, "inspect": False},
+                "mappings": [],
+                "thresholds": thresholds((None, "text")),
+                "unit": "none",
+            },
+            "overrides": [
+                {
+                    "matcher": {"id": "byName", "options": "fix"},
+                    "properties": [
+                        {
+                            "id": "mappings",
+                            "value": [
+                                {
+                                    "type": "value",
+                                    "options": {
+                                        **{v: {"color": "green", "index": 0, "text": "on"} for v in ("on", "true", "1", "yes", "enabled")},
+                                        **{v: {"color": "orange", "index": 1, "text": "off"} for v in ("off", "false", "0", "no", "disabled")},
+                                    },
+                                }
+                            ],
+                        },
+                        {"id": "custom.cellOptions", "value": {"type": "color-background", "mode": "basic"}},
+                    ],
+                }
+            ],
+        },
+        "options": {"cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"], "fields": "", "countRows": False}, "showHeader": True},
+    }
+    L.add(info, w=24, h=5)
+
+    # ------------------------------------------------------------ buffers
+    L.row("Metal buffers and the lazy graph")
+    L.add(
+        timeseries(
+            "Resident buffers vs limit",
+            "Number of Metal buffers alive in the process after each decode step (solid), against Metal's "
+            "resource limit (dashed red). A healthy decode is flat; a leak is a straight ramp toward the "
+            "dashed line, and the crash happens where they meet.",
+            [
+                target(f"mlx_watchdog_resident_buffers{{{SEL}}}", ref="A"),
+                target(f"max(mlx_watchdog_resource_limit_buffers{{{SEL}}})", legend="resource limit", ref="B"),
+            ],
+            "short",
+            overrides=[fixed_color_override("resource limit", "red")],
+            minimum=0,
+            decimals=0,
+        ),
+        w=12,
+        h=8,
+    )
+    L.add(
+        timeseries(
+            "Growth per step",
+            "Net Metal buffers gained per decode step (the slope of the left graph), as measured by the "
+            "watchdog. 0 is healthy; a steady positive value is a leak that ends in the resource-limit "
+            "crash; short spikes during prefill or cache resizing are normal.",
+            [target(f"mlx_watchdog_buffers_per_step{{{SEL}}}")],
+            "suffix:buffers/step",
+            custom={"thresholdsStyle": {"mode": "line"}},
+            th=thresholds((None, "green"), (0.5, "orange")),
+            decimals=2,
+        ),
+        w=12,
+        h=8,
+    )
+    L.add(
+        timeseries(
+            "Leak per site",
+            "Buffers per step attributed to each cache attribute (`site`) over time, per process. Use it "
+            "to see when a site started leaking and whether `--fix` stopped it. The alert "
+            "MLXWatchdogLeakSiteGrowing fires when a site stays above 0.5 for 10 minutes.",
+            [target(f"mlx_watchdog_leak_buffers_per_step{{{SEL}}}", legend="{{site}} {{watchdog}} {{instance}} {{rank}}")],
+            "suffix:buffers/step",
+            decimals=2,
+        ),
+        w=12,
+        h=8,
+    )
+    L.add(
+        timeseries(
+            "Pending graph nodes",
+            "Operations recorded in MLX's lazy compute graph but not yet evaluated at the end of a step. "
+            "Unevaluated nodes keep their inputs' buffers alive, so a count that keeps growing (for example "
+            "a cache attribute that is updated every step but never evaluated) shows up as buffer growth.",
+            [target(f"mlx_watchdog_pending_graph_nodes{{{SEL}}}")],
+            "short",
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+    L.add(
+        timeseries(
+            "Fix activity: arrays materialized / buffers reclaimed per second",
+            "What the leak fix (`mlx-watchdog serve --fix`, `Watchdog(fix=True)`) does, per second. "
+            "Materialized: pending cache arrays the fix scheduled for evaluation, so their lazy graphs "
+            "stop pinning buffers. Reclaimed: buffers the fix kept from accumulating (the growth it cut). "
+            "Both stay at 0 while the fix is off; rates of mlx_watchdog_materialized_arrays_total and "
+            "mlx_watchdog_reclaimed_buffers_total.",
+            [
+                target(
+                    f"rate(mlx_watchdog_materialized_arrays_total{{{SEL}}}[$__rate_interval])",
+                    legend="materialized " + LEGEND,
+                    ref="A",
+                ),
+                target(
+                    f"rate(mlx_watchdog_reclaimed_buffers_total{{{SEL}}}[$__rate_interval])",
+                    legend="reclaimed " + LEGEND,
+                    ref="B",
+                ),
+            ],
+            "suffix:/s",
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+    L.add(
+        timeseries(
+            "Decode step rate",
+            "Decode steps per second (about tokens per second per sequence). 'reported' is the watchdog's "
+            "own estimate, used to turn steps-to-limit into time-to-limit; 'counted' is Prometheus' rate "
+            "of mlx_watchdog_steps_total. 0 while the model is idle.",
+            [
+                target(f"mlx_watchdog_step_rate{{{SEL}}}", legend="reported " + LEGEND, ref="A"),
+                target(
+                    f"rate(mlx_watchdog_steps_total{{{SEL}}}[$__rate_interval])",
+                    legend="counted " + LEGEND,
+                    ref="B",
+                ),
+            ],
+            "suffix:steps/s",
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+
+    # ------------------------------------------------------------ memory
+    L.row("Memory (bytes)")
+    L.add(
+        timeseries(
+            "MLX memory vs memory limit",
+            "MLX's allocator, in bytes: active = memory held by live arrays; peak = highest active "
+            "memory so far; cache = freed buffers MLX keeps for reuse; memory limit (dashed red) = MLX's "
+            "memory limit. Note that the resource-limit crash counts buffers, not bytes: it can happen "
+            "far below the memory limit.",
+            [
+                target(f"mlx_watchdog_memory_active_bytes{{{SEL}}}", legend="active " + LEGEND, ref="A"),
+                target(f"mlx_watchdog_memory_peak_bytes{{{SEL}}}", legend="peak " + LEGEND, ref="B"),
+                target(f"mlx_watchdog_memory_cache_bytes{{{SEL}}}", legend="cache " + LEGEND, ref="C"),
+                target(f"max(mlx_watchdog_memory_limit_bytes{{{SEL}}})", legend="memory limit", ref="D"),
+            ],
+            "bytes",
+            overrides=[fixed_color_override("memory limit", "red")],
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+    L.add(
+        timeseries(
+            "Process resident memory (RSS)",
+            "Resident set size of the whole Python process as the operating system reports it. On Apple "
+            "silicon (unified memory) GPU buffers are not necessarily counted here; compare with MLX "
+            "active memory on the left.",
+            [target(f"mlx_watchdog_process_resident_memory_bytes{{{SEL}}}")],
+            "bytes",
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+
+    # ------------------------------------------------------------ prefill
+    L.row("Prefill")
+    L.add(
+        timeseries(
+            "Prefill graph nodes",
+            "Lazy graph nodes of the last multi-token (prefill) forward pass. Prefill evaluates a whole "
+            "prompt chunk at once, so a long prompt needs many buffers at the same moment and can hit "
+            "the resource limit even without any decode leak. No data until a prefill has been measured.",
+            [target(f"mlx_watchdog_prefill_graph_nodes{{{SEL}}}")],
+            "short",
+            minimum=0,
+        ),
+        w=16,
+        h=7,
+    )
+    L.add(
+        stat(
+            "Max safe prefill tokens",
+            "The largest prefill chunk, in tokens, whose lazy graph stays within the buffer limit, as "
+            "estimated by the watchdog. Prompts longer than this should be prefilled in chunks of at "
+            "most this size (mlx-lm's prefill step size). No data until a prefill has been measured.",
+            [target(f"mlx_watchdog_max_safe_prefill_tokens{{{SEL}}}")],
+            "suffix:tokens",
+            thresholds((None, "blue")),
+            graph="area",
+            color_mode="value",
+            decimals=0,
+        ),
+        w=8,
+        h=7,
+    )
+
+    # ------------------------------------------------------------ watchdog health
+    L.row("Watchdog health")
+    L.add(
+        timeseries(
+            "Watchdog overhead (share of decode time)",
+            "Seconds spent inside the watchdog's own bookkeeping per second of wall time while decoding, "
+            "i.e. rate(mlx_watchdog_overhead_seconds_total). A few percent or less is expected; the "
+            "dashed lines mark 2% and 5% (MLXWatchdogOverheadHigh fires above 5% for 10 minutes).",
+            [target(f"rate(mlx_watchdog_overhead_seconds_total{{{SEL}}}[$__rate_interval])")],
+            "percentunit",
+            custom={"thresholdsStyle": {"mode": "dashed"}},
+            th=thresholds((None, "green"), (0.02, "orange"), (0.05, "red")),
+            minimum=0,
+        ),
+        w=8,
+        h=7,
+    )
+    L.add(
+        timeseries(
+            "Stops by reason",
+            "Generations the watchdog stopped, by `reason`, counted per interval (increase of "
+            "mlx_watchdog_stops_total). A stop means the watchdog ended a generation on purpose (for "
+            "example before the forecast crash) instead of letting the process die.",
+            [
+                target(
+                    f"sum by (watchdog, reason) (increase(mlx_watchdog_stops_total{{{SEL}}}[$__rate_interval]))",
+                    legend="{{reason}} ({{watchdog}})",
+                )
+            ],
+            "short",
+            custom={"drawStyle": "bars", "fillOpacity": 80, "lineWidth": 1},
+            minimum=0,
+            decimals=0,
+        ),
+        w=8,
+        h=7,
+    )
+    L.add(
+        timeseries(
+            "Internal errors",
+            "Errors caught inside the watchdog itself (they are never raised into your generation), "
+            "counted per interval. Anything above 0 means the numbers on this dashboard may be stale or "
+            "wrong: check the process log.",
+            [
+                target(
+                    f"sum by (watchdog, instance, rank) (increase(mlx_watchdog_internal_errors_total{{{SEL}}}[$__rate_interval]))",
+                )
+            ],
+            "short",
+            custom={"drawStyle": "bars", "fillOpacity": 80, "lineWidth": 1, "thresholdsStyle": {"mode": "area"}},
+            th=thresholds((None, "green"), (0.5, "red")),
+            minimum=0,
+            decimals=0,
+        ),
+        w=8,
+        h=7,
+    )
+    L.newline()
+
+    def query_var(name: str, label: str, query: str, description: str) -> dict:
+        return {
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "datasource": DS,
+            "definition": query,
+            "description": description,
+            "hide": 0,
+            "includeAll": True,
+            "allValue": ".*",
+            "label": label,
+            "multi": True,
+            "name": name,
+            "options": [],
+            "query": query,
+            "refresh": 2,
+            "regex": "",
+            "skipUrlSync": False,
+            "sort": 1,
+            "type": "query",
+        }
+
+    return {
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                },
+                {
+                    # Grafana 10.4+/11 read the query from `target`; the legacy
+                    # top-level `expr` is kept for older importers.
+                    "datasource": DS,
+                    "enable": True,
+                    "expr": STOPS_ANNOTATION,
+                    "hide": False,
+                    "iconColor": "orange",
+                    "name": "Watchdog stops",
+                    "step": "",
+                    "tagKeys": "watchdog,reason",
+                    "target": {"datasource": DS, "expr": STOPS_ANNOTATION, "interval": "", "refId": "Anno"},
+                    "textFormat": "{{watchdog}}: generation stopped ({{reason}})",
+                    "titleFormat": "watchdog stop: {{reason}}",
+                    "useValueForTime": False,
+                },
+            ]
+        },
+        "description": "mlx-watchdog: Metal buffer growth per decode step, the leaking cache attribute, and "
+        "the forecast of the `[metal::malloc] Resource limit (499000) exceeded` crash for MLX / mlx-lm processes.",
+        "editable": True,
+        "fiscalYearStartMonth": 0,
+        "graphTooltip": 1,
+        "id": None,
+        "links": [],
+        "panels": L.panels,
+        "refresh": "10s",
+        "schemaVersion": 39,
+        "tags": ["mlx", "mlx-watchdog", "metal", "apple-silicon"],
+        "templating": {
+            "list": [
+                {
+                    "current": {},
+                    "description": "The Prometheus data source that scrapes the mlx-watchdog exporters.",
+                    "hide": 0,
+                    "includeAll": False,
+                    "label": "Data source",
+                    "multi": False,
+                    "name": "datasource",
+                    "options": [],
+                    "query": "prometheus",
+                    "refresh": 1,
+                    "regex": "",
+                    "skipUrlSync": False,
+                    "type": "datasource",
+                },
+                query_var(
+                    "watchdog",
+                    "Watchdog",
+                    "label_values(mlx_watchdog_info, watchdog)",
+                    "The watchdog (model) name given to mlx-watchdog.",
+                ),
+                query_var(
+                    "instance",
+                    "Instance",
+                    'label_values(mlx_watchdog_info{watchdog=~"$watchdog"}, instance)',
+                    "host:port of the exporter (one per process; base port + rank in multi-rank runs).",
+                ),
+                query_var(
+                    "rank",
+                    "Rank",
+                    'label_values(mlx_watchdog_info{watchdog=~"$watchdog",instance=~"$instance"}, rank)',
+                    "Distributed rank; empty for single-process runs (All still matches them).",
+                ),
+            ]
+        },
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "title": "MLX Watchdog",
+        "uid": "mlx-watchdog",
+        "version": 1,
+        "weekStart": "",
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        if not OUT.exists() or OUT.read_text(encoding="utf-8") != text:
+            print(f"{OUT} is out of date: run python3 {Path(__file__).name}", file=sys.stderr)
+            return 1
+        return 0
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(text, encoding="utf-8")
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

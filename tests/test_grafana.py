@@ -1,0 +1,667 @@
+"""Tests for grafana/: Prometheus alert rules, example Prometheus / Alertmanager
+configs, and the Grafana dashboard.
+
+What runs:
+  * `promtool check rules`, `promtool test rules`, `promtool check config`;
+  * Alertmanager loads grafana/alertmanager.yml;
+  * the dashboard JSON: schema, data sources, ids, layout, descriptions, units,
+    and that it matches grafana/make_dashboard.py;
+  * every PromQL expression of the dashboard and of the rules is sent to a real
+    Prometheus (started here on a free loopback port, on a throw-away TSDB that
+    is backfilled with synthetic exporter data), which must parse it; every
+    dashboard query must also return data for that synthetic data set;
+  * every metric name used is one the exporter exposes (see CONTRACT below).
+
+Prometheus, promtool and Alertmanager come from Debian's `prometheus` and
+`prometheus-alertmanager` packages (`make system-deps`). Without them these
+tests are skipped with a loud reason, except under CI=true, where they fail.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="pyyaml is needed (pip install pyyaml; it is in the [test] extra)")
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAFANA = ROOT / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "mlx-watchdog.json"
+GENERATOR = GRAFANA / "make_dashboard.py"
+RULES = GRAFANA / "rules" / "mlx-watchdog-alerts.yml"
+RULE_TESTS = GRAFANA / "rules" / "mlx-watchdog-alerts.test.yml"
+PROM_CONFIGS = [GRAFANA / "prometheus.yml", GRAFANA / "prometheus-multi-host.yml"]
+ALERTMANAGER_CONFIG = GRAFANA / "alertmanager.yml"
+FILE_SD_TARGETS = GRAFANA / "targets" / "mlx-watchdog.json"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+JOB = "mlx-watchdog"
+
+# The exporter's metric contract: sample names as Prometheus stores them
+# (counters with their `_total` suffix). Used when the exporter itself cannot be
+# imported; see exposed_names().
+CONTRACT = frozenset(
+    {
+        # gauges
+        "mlx_watchdog_resident_buffers",
+        "mlx_watchdog_resource_limit_buffers",
+        "mlx_watchdog_buffers_per_step",
+        "mlx_watchdog_steps_to_limit",
+        "mlx_watchdog_seconds_to_limit",
+        "mlx_watchdog_pending_graph_nodes",
+        "mlx_watchdog_leak_buffers_per_step",
+        "mlx_watchdog_step_rate",
+        "mlx_watchdog_memory_active_bytes",
+        "mlx_watchdog_memory_peak_bytes",
+        "mlx_watchdog_memory_cache_bytes",
+        "mlx_watchdog_memory_limit_bytes",
+        "mlx_watchdog_process_resident_memory_bytes",
+        "mlx_watchdog_prefill_graph_nodes",
+        "mlx_watchdog_max_safe_prefill_tokens",
+        "mlx_watchdog_info",
+        # counters
+        "mlx_watchdog_steps_total",
+        "mlx_watchdog_materialized_arrays_total",
+        "mlx_watchdog_reclaimed_buffers_total",
+        "mlx_watchdog_stops_total",
+        "mlx_watchdog_overhead_seconds_total",
+        "mlx_watchdog_internal_errors_total",
+    }
+)
+METRIC_NAME = re.compile(r"\bmlx_watchdog_[a-z_]+\b")
+
+
+# --------------------------------------------------------------------------- helpers
+def find_tool(*names: str) -> str | None:
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+        if Path("/usr/bin", name).exists():
+            return str(Path("/usr/bin", name))
+    return None
+
+
+def require_tool(*names: str) -> str:
+    path = find_tool(*names)
+    if path:
+        return path
+    msg = (
+        f"{' / '.join(names)} NOT INSTALLED: the Grafana/Prometheus tests cannot run. "
+        "Install Debian's `prometheus` and `prometheus-alertmanager` packages (make system-deps)."
+    )
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(msg)
+    print(f"\n*** WARNING: {msg} ***", file=sys.stderr)
+    pytest.skip(f"*** {msg} ***")
+
+
+def run(cmd: list[str], cwd: Path | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:  # 4xx/5xx still carry a JSON body
+        return e.code, e.read()
+
+
+def start_server(cmd: list[str], ready_url: str, log: Path, timeout: float = 20) -> subprocess.Popen:
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{cmd[0]} exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
+        try:
+            status, _ = http_get(ready_url, timeout=1)
+            if status == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.1)
+    stop_server(proc)
+    pytest.fail(f"{cmd[0]} not ready after {timeout}s:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def exposed_names() -> tuple[frozenset[str], str]:
+    """Metric sample names the exporter exposes, and where that list came from.
+
+    The exporter (mlx_watchdog.exporters.prometheus) is written separately. It is
+    OPTIONAL here: if it is importable and provides exposed_metric_names()
+    (returning the set of sample names, counters with `_total`), the dashboard and
+    rules are checked against the real exporter; otherwise against CONTRACT.
+    """
+    try:
+        module = importlib.import_module("mlx_watchdog.exporters.prometheus")
+    except ImportError:
+        return CONTRACT, "the CONTRACT list in tests/test_grafana.py (exporter not importable)"
+    fn = getattr(module, "exposed_metric_names", None)
+    if fn is None:
+        return CONTRACT, "the CONTRACT list in tests/test_grafana.py (exporter has no exposed_metric_names())"
+    return frozenset(fn()), "mlx_watchdog.exporters.prometheus.exposed_metric_names()"
+
+
+def load_dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text(encoding="utf-8"))
+
+
+def all_panels(dash: dict) -> list[dict]:
+    out = []
+    for p in dash["panels"]:
+        out.append(p)
+        out.extend(p.get("panels", []))  # panels inside collapsed rows
+    return out
+
+
+def dashboard_queries(dash: dict) -> list[tuple[str, str]]:
+    """(where, expr) for every panel target and every Prometheus annotation."""
+    out = []
+    for p in all_panels(dash):
+        for t in p.get("targets", []):
+            out.append((f"panel {p['id']} {p['title']!r} target {t['refId']}", t["expr"]))
+    for a in dash.get("annotations", {}).get("list", []):
+        if a.get("builtIn"):
+            continue
+        expr = a.get("target", {}).get("expr")
+        assert expr, f"annotation {a['name']!r}: no target.expr"
+        assert a.get("expr", expr) == expr, f"annotation {a['name']!r}: expr and target.expr differ"
+        out.append((f"annotation {a['name']!r}", expr))
+    return out
+
+
+def template_vars(dash: dict) -> list[dict]:
+    return dash["templating"]["list"]
+
+
+LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?P<selector>.+?)\s*,\s*(?P<label>[a-zA-Z_][a-zA-Z0-9_]*)\s*\)\s*$", re.S)
+
+
+def variable_queries(dash: dict) -> list[tuple[str, str, str]]:
+    """(variable name, series selector, label) for every label_values() variable."""
+    out = []
+    for v in template_vars(dash):
+        if v["type"] != "query":
+            continue
+        q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+        m = LABEL_VALUES.match(q)
+        assert m, f"variable {v['name']}: expected label_values(<selector>, <label>), got {q!r}"
+        out.append((v["name"], m["selector"], m["label"]))
+    return out
+
+
+GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "1m", "__range": "30m"}
+VAR_REF = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+
+
+def substitute(expr: str, values: dict[str, str]) -> str:
+    """Interpolate Grafana variables the way Grafana would for Prometheus."""
+
+    def repl(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        if name in GRAFANA_BUILTINS:
+            return GRAFANA_BUILTINS[name]
+        if name in values:
+            return values[name]
+        raise AssertionError(f"unknown Grafana variable ${name} in {expr!r}")
+
+    return VAR_REF.sub(repl, expr)
+
+
+ALL = {"watchdog": ".*", "instance": ".*", "rank": ".*"}
+
+
+def load_rules() -> list[dict]:
+    doc = yaml.safe_load(RULES.read_text(encoding="utf-8"))
+    return [r for g in doc["groups"] for r in g["rules"]]
+
+
+def rule_thresholds() -> dict[str, float]:
+    out = {}
+    for r in load_rules():
+        m = re.fullmatch(r"\s*vector\(\s*([0-9.e+-]+)\s*\)\s*", r.get("expr", ""))
+        if "record" in r and m:
+            out[r["record"]] = float(m[1])
+    return out
+
+
+# --------------------------------------------------------------------------- promtool
+def test_promtool_check_rules():
+    promtool = require_tool("promtool")
+    r = run([promtool, "check", "rules", str(RULES)])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_promtool_test_rules():
+    promtool = require_tool("promtool")
+    r = run([promtool, "test", "rules", RULE_TESTS.name], cwd=RULE_TESTS.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("config", PROM_CONFIGS, ids=lambda p: p.name)
+def test_promtool_check_config(config: Path):
+    # Also checks the rule files and the file_sd target files the config names.
+    promtool = require_tool("promtool")
+    r = run([promtool, "check", "config", config.name], cwd=config.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_rule_tests_cover_every_alert_firing_and_silent():
+    alerts = {r["alert"] for r in load_rules() if "alert" in r}
+    expected = {
+        "MLXWatchdogResourceLimitSoon",
+        "MLXWatchdogResourceLimitImminent",
+        "MLXWatchdogLeakSiteGrowing",
+        "MLXWatchdogTargetAbsent",
+    }
+    assert expected <= alerts
+    doc = yaml.safe_load(RULE_TESTS.read_text(encoding="utf-8"))
+    firing, silent = set(), set()
+    for t in doc["tests"]:
+        for a in t.get("alert_rule_test", []):
+            (firing if a.get("exp_alerts") else silent).add(a["alertname"])
+    assert alerts - firing == set(), "alerts without a firing test case"
+    assert alerts - silent == set(), "alerts without a not-firing test case"
+    for r in load_rules():
+        if "alert" in r:
+            assert r["labels"]["severity"] in {"warning", "critical"}
+            assert r["annotations"]["summary"] and r["annotations"]["description"]
+
+
+def test_prometheus_examples_scrape_the_watchdog():
+    single = yaml.safe_load((GRAFANA / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in single["scrape_configs"]}
+    assert jobs[JOB]["static_configs"][0]["targets"] == ["127.0.0.1:9464"]
+    assert single["rule_files"] == ["rules/mlx-watchdog-alerts.yml"]
+    assert single["alerting"]["alertmanagers"]
+
+    multi = yaml.safe_load((GRAFANA / "prometheus-multi-host.yml").read_text())
+    job = {j["job_name"]: j for j in multi["scrape_configs"]}[JOB]
+    assert job["static_configs"] and job["file_sd_configs"]
+    sd = json.loads(FILE_SD_TARGETS.read_text())
+    for cfg in [*job["static_configs"], *sd]:
+        # The exporter sets these labels itself; a target label would rename them.
+        assert not {"watchdog", "rank"} & set(cfg.get("labels", {}))
+        for t in cfg["targets"]:
+            assert int(t.rsplit(":", 1)[1]) >= 9464  # base port 9464 + rank
+
+
+def test_alertmanager_config_loads(tmp_path, request):
+    am = require_tool("prometheus-alertmanager", "alertmanager")
+    port = free_port()
+    proc = start_server(
+        [
+            am,
+            f"--config.file={ALERTMANAGER_CONFIG}",
+            f"--storage.path={tmp_path}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        f"http://127.0.0.1:{port}/-/ready",
+        tmp_path / "alertmanager.log",
+    )
+    request.addfinalizer(lambda: stop_server(proc))
+    status, body = http_get(f"http://127.0.0.1:{port}/api/v2/status")
+    assert status == 200
+    assert "MLXWatchdogResourceLimitImminent" in json.loads(body)["config"]["original"]
+
+
+# --------------------------------------------------------------------------- dashboard structure
+def test_dashboard_matches_generator():
+    spec = importlib.util.spec_from_file_location("make_dashboard", GENERATOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.build() == load_dashboard(), (
+        "grafana/dashboards/mlx-watchdog.json differs from grafana/make_dashboard.py: "
+        "edit the script and run `python3 grafana/make_dashboard.py`"
+    )
+
+
+def test_dashboard_schema_and_datasources():
+    dash = load_dashboard()
+    assert dash["schemaVersion"] >= 39
+    assert dash["uid"] == "mlx-watchdog" and dash["title"]
+    assert "__inputs" not in dash, "provisioning cannot fill __inputs: use the datasource variable"
+    ds_vars = [v for v in template_vars(dash) if v["name"] == "datasource"]
+    assert len(ds_vars) == 1 and ds_vars[0]["type"] == "datasource" and ds_vars[0]["query"] == "prometheus"
+
+    for p in all_panels(dash):
+        assert p.get("datasource") == DS, f"panel {p['id']} {p.get('title')!r}: datasource {p.get('datasource')}"
+        for t in p.get("targets", []):
+            assert t.get("datasource") == DS, f"panel {p['id']} target {t.get('refId')}: datasource {t.get('datasource')}"
+        refs = [t["refId"] for t in p.get("targets", [])]
+        assert len(refs) == len(set(refs)), f"panel {p['id']}: duplicate refIds"
+    for v in template_vars(dash):
+        if v["type"] == "query":
+            assert v["datasource"] == DS
+    for a in dash["annotations"]["list"]:
+        if not a.get("builtIn"):
+            assert a["datasource"] == DS and a["target"]["datasource"] == DS, a["name"]
+
+
+def test_dashboard_panels_ids_layout_descriptions_units():
+    dash = load_dashboard()
+    panels = all_panels(dash)
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), f"duplicate panel ids: {ids}"
+
+    cells: dict[tuple[int, int], int] = {}
+    for p in panels:
+        g = p["gridPos"]
+        assert g["w"] > 0 and g["h"] > 0 and g["x"] >= 0 and g["y"] >= 0, p["title"]
+        assert g["x"] + g["w"] <= 24, f"panel {p['id']} {p['title']!r} exceeds the 24-column grid"
+        for x in range(g["x"], g["x"] + g["w"]):
+            for y in range(g["y"], g["y"] + g["h"]):
+                assert (x, y) not in cells, f"panels {cells[(x, y)]} and {p['id']} overlap at {(x, y)}"
+                cells[(x, y)] = p["id"]
+
+    for p in panels:
+        if p["type"] == "row":
+            continue
+        assert len(p.get("description", "")) >= 60, f"panel {p['id']} {p['title']!r}: needs a real description"
+        assert p["fieldConfig"]["defaults"].get("unit"), f"panel {p['id']} {p['title']!r}: no unit"
+        assert p.get("targets"), f"panel {p['id']} {p['title']!r}: no query"
+
+    by_title = {p["title"]: p for p in panels}
+    assert by_title["Time to limit"]["fieldConfig"]["defaults"]["unit"] == "s"
+    assert by_title["Watchdog overhead (share of decode time)"]["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert by_title["MLX memory vs memory limit"]["fieldConfig"]["defaults"]["unit"] == "bytes"
+    assert by_title["Process resident memory (RSS)"]["fieldConfig"]["defaults"]["unit"] == "bytes"
+    for title in ("Steps to limit", "Time to limit"):
+        p = by_title[title]
+        assert p["type"] == "stat"
+        colors = [s["color"] for s in p["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+        assert colors == ["red", "orange", "green"], f"{title}: thresholds {colors}"
+
+
+def test_dashboard_thresholds_match_alert_rules():
+    th = rule_thresholds()
+    by_title = {p["title"]: p for p in all_panels(load_dashboard())}
+
+    def steps(title):
+        return [s["value"] for s in by_title[title]["fieldConfig"]["defaults"]["thresholds"]["steps"]]
+
+    assert steps("Steps to limit") == [
+        None,
+        th["mlx_watchdog:alert_threshold_imminent_steps"],
+        th["mlx_watchdog:alert_threshold_soon_steps"],
+    ]
+    assert steps("Time to limit") == [
+        None,
+        th["mlx_watchdog:alert_threshold_imminent_seconds"],
+        th["mlx_watchdog:alert_threshold_soon_seconds"],
+    ]
+
+
+def test_dashboard_template_variables():
+    dash = load_dashboard()
+    names = [v["name"] for v in template_vars(dash)]
+    assert names[0] == "datasource", "the datasource variable must come first (others query it)"
+    for name in ("watchdog", "instance", "rank"):
+        (v,) = [v for v in template_vars(dash) if v["name"] == name]
+        assert v["type"] == "query" and v["multi"] and v["includeAll"], name
+        # `.*` as All also matches series without the label (single-rank runs have no `rank`).
+        assert v["allValue"] == ".*", name
+    queried = {name: (sel, label) for name, sel, label in variable_queries(dash)}
+    assert {name: label for name, (_, label) in queried.items()} == {
+        "watchdog": "watchdog",
+        "instance": "instance",
+        "rank": "rank",
+    }
+    for name, (sel, _) in queried.items():
+        assert sel.split("{")[0].strip() in {"mlx_watchdog_info", "mlx_watchdog_steps_total"}, name
+
+
+# --------------------------------------------------------------------------- metric names
+def rule_texts() -> list[tuple[str, str]]:
+    out = []
+    for r in load_rules():
+        name = r.get("alert") or r.get("record")
+        out.append((f"rule {name} expr", r["expr"]))
+        for k, v in r.get("annotations", {}).items():
+            out.append((f"rule {name} annotation {k}", v))
+    return out
+
+
+def test_metric_names_are_exposed_by_the_exporter():
+    names, source = exposed_names()
+    texts = dashboard_queries(load_dashboard()) + rule_texts()
+    texts += [(f"variable {n}", sel) for n, sel, _ in variable_queries(load_dashboard())]
+    unknown = {(where, m) for where, text in texts for m in METRIC_NAME.findall(text) if m not in names}
+    assert not unknown, f"metric names not in {source}: {sorted(unknown)}"
+
+
+def test_dashboard_shows_every_contract_metric():
+    used = {m for _, e in dashboard_queries(load_dashboard()) for m in METRIC_NAME.findall(e)}
+    assert CONTRACT - used == set(), f"contract metrics missing from the dashboard: {sorted(CONTRACT - used)}"
+    names, source = exposed_names()
+    if names - used:  # new exporter metrics: not an error, but the dashboard should learn them
+        warnings.warn(f"metrics from {source} not on the dashboard: {sorted(names - used)}")
+
+
+def test_metric_name_extraction():
+    expr = 'rate(mlx_watchdog_steps_total{x="1"}[1m]) / on() group_left() mlx_watchdog:alert_threshold_soon_steps'
+    assert METRIC_NAME.findall(expr) == ["mlx_watchdog_steps_total"]
+
+
+# --------------------------------------------------------------------------- a real Prometheus
+PROCESSES = [
+    # (labels, buffers gained per step, stop reason that occurs midway or None, fix)
+    ({"watchdog": "qwen3-4b", "instance": "127.0.0.1:9464"}, 2.0, "forecast", "false"),
+    ({"watchdog": "llama-70b", "instance": "10.0.0.1:9464", "rank": "0"}, 0.0, None, "true"),
+    ({"watchdog": "llama-70b", "instance": "10.0.0.2:9465", "rank": "1"}, 3.0, "forecast", "false"),
+]
+SCRAPE = 15  # seconds between synthetic samples
+WINDOW = 30 * 60
+
+
+def _fmt_labels(labels: dict) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+
+def _fmt_value(v: float) -> str:
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v))
+
+
+def synthetic_openmetrics(end: int) -> str:
+    """Exporter-like data for PROCESSES, one sample per SCRAPE seconds, ending at `end`."""
+    start = end - WINDOW
+    times = list(range(start, end + 1, SCRAPE))
+    step_rate = 25.0
+    series: dict[str, list[tuple[dict, list[float]]]] = {}
+
+    def add(name: str, labels: dict, values: list[float]) -> None:
+        series.setdefault(name, []).append((labels, values))
+
+    for base, growth, stop_reason, fix in PROCESSES:
+        labels = {**base, "job": JOB}
+        limit = 499000.0
+        steps = [step_rate * (t - start) for t in times]
+        resident = [300000.0 + growth * s for s in steps]
+        to_limit = [(limit - r) / growth if growth else math.inf for r in resident]
+        n = len(times)
+        add("mlx_watchdog_resident_buffers", labels, resident)
+        add("mlx_watchdog_resource_limit_buffers", labels, [limit] * n)
+        add("mlx_watchdog_buffers_per_step", labels, [growth] * n)
+        add("mlx_watchdog_steps_to_limit", labels, to_limit)
+        add("mlx_watchdog_seconds_to_limit", labels, [s / step_rate for s in to_limit])
+        add("mlx_watchdog_pending_graph_nodes", labels, [3 + growth] * n)
+        add("mlx_watchdog_leak_buffers_per_step", {**labels, "site": "ArraysCache.left_padding"}, [growth] * n)
+        add("mlx_watchdog_leak_buffers_per_step", {**labels, "site": "KVCache.keys"}, [0.0] * n)
+        add("mlx_watchdog_step_rate", labels, [step_rate] * n)
+        add("mlx_watchdog_memory_active_bytes", labels, [8e9 + 1e3 * s for s in steps])
+        add("mlx_watchdog_memory_peak_bytes", labels, [9e9 + 1e3 * s for s in steps])
+        add("mlx_watchdog_memory_cache_bytes", labels, [5e8] * n)
+        add("mlx_watchdog_memory_limit_bytes", labels, [96e9] * n)
+        add("mlx_watchdog_process_resident_memory_bytes", labels, [2e9] * n)
+        add("mlx_watchdog_prefill_graph_nodes", labels, [12000.0] * n)
+        add("mlx_watchdog_max_safe_prefill_tokens", labels, [32768.0] * n)
+        info = {**labels, "version": "0.1.0", "mlx_version": "0.32.4", "mlx_lm_version": "0.32.2", "device": "gpu", "fix": fix}
+        add("mlx_watchdog_info", info, [1.0] * n)
+        add("mlx_watchdog_steps_total", labels, steps)
+        add("mlx_watchdog_materialized_arrays_total", labels, [40 * s for s in steps])
+        add("mlx_watchdog_reclaimed_buffers_total", labels, [(40 - growth) * s for s in steps])
+        stops = [float(stop_reason is not None and t >= end - 4 * SCRAPE) for t in times]
+        add("mlx_watchdog_stops_total", {**labels, "reason": stop_reason or "forecast"}, stops)
+        add("mlx_watchdog_overhead_seconds_total", labels, [0.01 * (t - start) for t in times])
+        add("mlx_watchdog_internal_errors_total", labels, [float(i // 40) for i in range(n)])
+
+    lines = []
+    for name, entries in series.items():
+        for labels, values in entries:
+            for t, v in zip(times, values):
+                lines.append(f"{name}{_fmt_labels(labels)} {_fmt_value(v)} {t}")
+    lines.append("# EOF")
+    return "\n".join(lines) + "\n"
+
+
+class Prometheus:
+    def __init__(self, url: str, end: int):
+        self.url = url
+        self.end = end
+
+    def api(self, path: str, **params) -> dict:
+        data = urllib.parse.urlencode(params, doseq=True).encode()
+        req = urllib.request.Request(self.url + path, data=data, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return json.loads(e.read())
+
+    def query(self, expr: str) -> dict:
+        return self.api("/api/v1/query", query=expr, time=self.end)
+
+    def query_range(self, expr: str) -> dict:
+        return self.api("/api/v1/query_range", query=expr, start=self.end - 20 * 60, end=self.end, step=60)
+
+    def label_values(self, selector: str, label: str) -> dict:
+        params = urllib.parse.urlencode({"match[]": selector, "start": self.end - WINDOW, "end": self.end})
+        status, body = http_get(f"{self.url}/api/v1/label/{label}/values?{params}")
+        return json.loads(body)
+
+
+@pytest.fixture(scope="module")
+def prometheus(request, tmp_path_factory) -> Prometheus:
+    """A real Prometheus on a free loopback port, on a temporary TSDB backfilled
+    (promtool tsdb create-blocks-from openmetrics) with synthetic exporter data."""
+    prom = require_tool("prometheus")
+    promtool = require_tool("promtool")
+    work = tmp_path_factory.mktemp("prometheus")
+    end = int(time.time()) // SCRAPE * SCRAPE - 2 * SCRAPE
+    data = work / "data"
+    (work / "input.om").write_text(synthetic_openmetrics(end))
+    r = run([promtool, "tsdb", "create-blocks-from", "openmetrics", str(work / "input.om"), str(data)], timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (work / "prometheus.yml").write_text("global:\n  scrape_interval: 15s\nscrape_configs: []\n")
+    port = free_port()
+    proc = start_server(
+        [
+            prom,
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={data}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--storage.tsdb.retention.time=30d",
+            "--log.level=warn",
+        ],
+        f"http://127.0.0.1:{port}/-/ready",
+        work / "prometheus.log",
+    )
+    request.addfinalizer(lambda: stop_server(proc))
+    return Prometheus(f"http://127.0.0.1:{port}", end)
+
+
+def test_prometheus_rejects_bad_promql(prometheus):
+    # Guards the checks below: a parse error must be reported as bad_data.
+    bad = prometheus.query("rate(mlx_watchdog_steps_total[5m]")
+    assert bad["status"] == "error" and bad["errorType"] == "bad_data", bad
+    assert prometheus.query("vector(1)")["status"] == "success"
+
+
+def test_rule_expressions_parse(prometheus):
+    for r in load_rules():
+        res = prometheus.query(r["expr"])
+        assert res["status"] == "success", f"{r.get('alert') or r.get('record')}: {res.get('error')}"
+
+
+def test_dashboard_expressions_parse(prometheus):
+    for where, expr in dashboard_queries(load_dashboard()):
+        q = substitute(expr, ALL)
+        res = prometheus.query(q)
+        assert res["status"] == "success", f"{where}: {q!r}: {res.get('errorType')}: {res.get('error')}"
+
+
+def test_variable_queries_are_valid_and_find_values(prometheus):
+    dash = load_dashboard()
+    for name, selector, label in variable_queries(dash):
+        sel = substitute(selector, ALL)
+        res = prometheus.label_values(sel, label)
+        assert res["status"] == "success", f"variable {name}: {sel!r}: {res.get('error')}"
+        assert res["data"], f"variable {name}: no values for {sel!r}"
+    # the selector must also be valid PromQL on its own
+    for name, selector, _ in variable_queries(dash):
+        res = prometheus.query(substitute(selector, ALL))
+        assert res["status"] == "success", f"variable {name}: {res.get('error')}"
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        ALL,  # everything ("All" everywhere)
+        {"watchdog": "qwen3-4b", "instance": ".*", "rank": ".*"},  # a single-process run: no rank label
+        {"watchdog": "(llama-70b|qwen3-4b)", "instance": ".*", "rank": "1"},  # multi-select + one rank
+    ],
+    ids=["all", "single-process", "one-rank"],
+)
+def test_dashboard_queries_return_data(prometheus, values):
+    dash = load_dashboard()
+    empty = []
+    for where, expr in dashboard_queries(dash):
+        q = substitute(expr, values)
+        res = prometheus.query_range(q)
+        assert res["status"] == "success", f"{where}: {q!r}: {res.get('error')}"
+        if not res["data"]["result"]:
+            empty.append(f"{where}: {q}")
+    assert not empty, "queries without data for the synthetic exporter data:\n" + "\n".join(empty)
+
+
+def test_forecast_panels_see_the_worst_rank(prometheus):
+    # Steps-to-limit per rank: the flat rank is +Inf, the leaking one finite.
+    res = prometheus.query(substitute('mlx_watchdog_steps_to_limit{watchdog=~"$watchdog",rank=~"$rank"}', ALL))
+    by_rank = {s["metric"].get("rank", ""): float(s["value"][1]) for s in res["data"]["result"]}
+    assert math.isinf(by_rank["0"]) and by_rank["1"] < 1e6 and by_rank[""] < 1e6
