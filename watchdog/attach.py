@@ -14,6 +14,7 @@ would become parameters).
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import inspect
 import threading
@@ -33,6 +34,7 @@ class _ModelState:
         self.original_class = original_class
         self.last_output: Any = None
         self.prefill_hooks: list[Callable] = []  # fn(watchdog, inputs, output) after a multi-token forward
+        self.prefill_cache: Any = None  # the forward's cache, set only while the prefill hooks run
 
 
 def _observed_call(self, *args, **kwargs):
@@ -42,13 +44,17 @@ def _observed_call(self, *args, **kwargs):
     cache = kwargs["cache"] if "cache" in kwargs else (args[1] if len(args) > 1 else None)
     if cache is not None:
         last, state.last_output = state.last_output, None  # hold the output for one step only
-        watchdog.observe(cache, last_output=last)
+        watchdog.observe(cache, last_output=last, prefill=_tokens(inputs) > 1)
     output = state.original_class.__call__(self, *args, **kwargs)
     if cache is not None:
         state.last_output = output
         if state.prefill_hooks and _tokens(inputs) > 1:
-            for hook in state.prefill_hooks:
-                hook(watchdog, inputs, output)
+            state.prefill_cache = cache  # hooks may walk the cache too; not held past this call
+            try:
+                for hook in state.prefill_hooks:
+                    hook(watchdog, inputs, output)
+            finally:
+                state.prefill_cache = None
     return output
 
 
@@ -78,14 +84,20 @@ def watch_model(model, watchdog: Optional[Watchdog] = None, **options):
         else:
             original = type(model)
             state = _ModelState(watchdog, original)
-            subclass = type(original.__name__, (original,), {
-                "__call__": _observed_call,
-                _STATE: state,
-                "__module__": original.__module__,
-                "__qualname__": original.__qualname__,
-                "__reduce_ex__": _reduce_unwatched,
-            })
-            model.__class__ = subclass
+            try:
+                subclass = type(original.__name__, (original,), {
+                    "__slots__": (),  # same memory layout, so classes with __slots__ work too
+                    "__call__": _observed_call,
+                    _STATE: state,
+                    "__module__": original.__module__,
+                    "__qualname__": original.__qualname__,
+                    "__reduce_ex__": _reduce_unwatched,
+                })
+                model.__class__ = subclass
+            except TypeError as exc:
+                raise TypeError(
+                    f"watch_model needs an instance of a Python class (an nn.Module), got "
+                    f"{type(model).__name__} ({exc}); wrap a bare function with watch_step") from None
     if watchdog.name_is_default:
         watchdog.name = _model_name(model)
         watchdog.name_is_default = False
@@ -110,9 +122,14 @@ def _reduce_unwatched(self, protocol):
     cls = self.__class__
     try:
         self.__class__ = state.original_class
-        return self.__reduce_ex__(protocol)
+        reduced = self.__reduce_ex__(protocol)
     finally:
         self.__class__ = cls
+    if isinstance(reduced, tuple) and reduced and reduced[0] in (copyreg.__newobj__, copyreg.__newobj_ex__):
+        # pickle refuses a __newobj__ whose class is not type(self) (the watching subclass);
+        # the same call through a partial is not checked and still names only the original class.
+        reduced = (functools.partial(reduced[0], *reduced[1]), ()) + tuple(reduced[2:])
+    return reduced
 
 
 def _model_name(model) -> str:
@@ -155,48 +172,69 @@ def watch(fn: Optional[Callable] = None, *, watchdog: Optional[Watchdog] = None,
     generator is closed). ``watchdog=`` shares one watchdog; otherwise one is created from
     ``options`` for the decorated function. ``metrics_port`` starts the metrics server once."""
     if fn is None:
+        # Bad options fail here, at @watch(...), not later when a function is decorated.
+        if watchdog is not None and options:
+            raise ValueError("pass either watchdog= or Watchdog options, not both")
+        if watchdog is None:
+            Watchdog(**{**options, "export": False})
         return functools.partial(watch, watchdog=watchdog, metrics_port=metrics_port,
                                  metrics_addr=metrics_addr, **options)
     if watchdog is None:
         watchdog = Watchdog(**options)
     elif options:
         raise ValueError("pass either watchdog= or Watchdog options, not both")
+    metrics_server = None
     if metrics_port is not None:
         from .exporters.prometheus import start_metrics_server
 
-        start_metrics_server(metrics_port, addr=metrics_addr)
+        metrics_server = start_metrics_server(metrics_port, addr=metrics_addr)
     signature = inspect.signature(fn)
-    takes_cache = "prompt_cache" in signature.parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    var_keyword = next((p.name for p in signature.parameters.values()
+                        if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    takes_cache = "prompt_cache" in signature.parameters or var_keyword is not None
 
     def prepare(args, kwargs):
         bound = signature.bind_partial(*args, **kwargs)
-        model = bound.arguments.get("model", args[0] if args else None)
+        # Options passed on through **kwargs (generate -> stream_generate) are given too.
+        given = {**bound.arguments.get(var_keyword, {}), **bound.arguments} if var_keyword else bound.arguments
+        model = given.get("model", args[0] if args else None)
         if model is None:
             raise TypeError(f"{fn.__name__}() was called without a model")
-        if takes_cache and bound.arguments.get("prompt_cache") is None and hasattr(model, "layers"):
+        if takes_cache and given.get("prompt_cache") is None and hasattr(model, "layers"):
             from mlx_lm.models.cache import make_prompt_cache
 
-            kwargs = dict(kwargs, prompt_cache=make_prompt_cache(model, max_kv_size=kwargs.get("max_kv_size")))
-        return model, kwargs
+            draft = given.get("draft_model")
+            if draft is not None:
+                # Speculative decoding takes one list: the model's caches, then the draft's.
+                cache = make_prompt_cache(model) + make_prompt_cache(draft)
+            else:
+                cache = make_prompt_cache(model, max_kv_size=given.get("max_kv_size"))
+            if "prompt_cache" in signature.parameters:
+                bound.arguments["prompt_cache"] = cache
+            else:
+                bound.arguments[var_keyword] = {**bound.arguments.get(var_keyword, {}), "prompt_cache": cache}
+            return model, bound.args, bound.kwargs
+        return model, args, kwargs
 
     if inspect.isgeneratorfunction(fn):
         @functools.wraps(fn)
         def generator_wrapper(*args, **kwargs):
-            model, kwargs = prepare(args, kwargs)
+            model, args, kwargs = prepare(args, kwargs)
             with _Watching(model, watchdog):
                 yield from fn(*args, **kwargs)
 
         generator_wrapper.watchdog = watchdog
+        generator_wrapper.metrics_server = metrics_server  # its .port, when port 0 picked one
         return generator_wrapper
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        model, kwargs = prepare(args, kwargs)
+        model, args, kwargs = prepare(args, kwargs)
         with _Watching(model, watchdog):
             return fn(*args, **kwargs)
 
     wrapper.watchdog = watchdog
+    wrapper.metrics_server = metrics_server
     return wrapper
 
 

@@ -29,6 +29,11 @@ from .graph import account, is_evaluated
 from .introspect import MAX_DEPTH, MAX_OBJECTS, Found, resolve, root_key, scan
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
 
+try:  # records mx.distributed.init() from here on, so watchdogs learn their rank (distributed.py)
+    from . import distributed as _distributed
+except Exception:  # an MLX without mx.distributed: watchdogs stay single-process
+    _distributed = None
+
 logger = logging.getLogger("mlx_watchdog")
 
 WALK_CREDIT_SECONDS = 0.05  # walking budget granted up front, so early steps are measured densely
@@ -180,6 +185,8 @@ class Watchdog:
             self.count_parameters(model)
         with _live_lock:
             _live.add(self)
+        if _distributed is not None:  # never raises; joins only a group the program initialized
+            _distributed.auto_attach(self)
 
     # ----------------------------------------------------------------- public API
 
@@ -193,17 +200,20 @@ class Watchdog:
             self._internal_error("count_parameters", exc)
         return self._parameter_buffers
 
-    def observe(self, roots: Any, *, last_output: Any = None) -> None:
+    def observe(self, roots: Any, *, last_output: Any = None, prefill: bool = False) -> None:
         """Observe one decode step. Call it at the entry of each step (before the forward).
 
         ``roots``: any object graph holding the cache(s). ``last_output``: the previous step's
         output, when known; the fix only runs once the program has evaluated (or scheduled) it,
         so the watchdog never computes what the program itself would not have.
+        ``prefill=True`` marks a multi-token forward: it is observed when it runs on the cache
+        being followed (speculative verification does), but a prompt processed on other caches
+        beside a running batch (``BatchGenerator``) does not start a new series.
 
         Never raises, except :class:`ResourceLimitForecast` when ``stop_within`` says so."""
         start = time.perf_counter()
         try:
-            self._observe(roots, last_output, start)
+            self._observe(roots, last_output, prefill, start)
         except ResourceLimitForecast:
             raise
         except Exception as exc:
@@ -261,19 +271,21 @@ class Watchdog:
 
     # ----------------------------------------------------------------- the step
 
-    def _observe(self, roots: Any, last_output: Any, start: float) -> None:
-        with self._lock:
-            if self._started is None:
-                self._started = start
-            self.steps += 1
-            step = self.steps
-            self._step_times.append((step, start))
+    def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float) -> None:
         key = root_key(roots)
         if key != self._root_key:
+            if prefill and self._root_key is not None:
+                return  # a prompt filling other caches: the decode being followed goes on
             if self._root_key is not None:
                 self.reset()
             self._root_key = key
             self._paths = None
+        with self._lock:
+            if self._started is None:
+                self._started = self._series_started = start
+            self.steps += 1
+            step = self.steps
+            self._step_times.append((step, start))
 
         # In fix mode a walk starts a probe: the fix waits one step, a second walk sees what one
         # step adds to each site (the growth the fix cuts), then the fix runs.
@@ -293,15 +305,18 @@ class Watchdog:
         self._act(roots, last_output, step)
 
     def _walk_due(self, now: float) -> bool:
-        elapsed = now - (self._started or now)
+        # Each series (a new decode) starts with a small credit so its first steps are measured
+        # densely; then everything the watchdog spends counts, not only walks.
+        elapsed = now - (self._series_started or now)
         allowed = self.overhead_budget * elapsed + WALK_CREDIT_SECONDS
-        # Everything the watchdog spends counts, not only walks: per-step work squeezes walks out.
-        return self.overhead_seconds + self._last_walk_cost <= allowed
+        spent = self.overhead_seconds - self._series_overhead
+        return spent + self._last_walk_cost <= allowed
 
     def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[Found]:
         t0 = time.perf_counter()
         result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
-        if not result.found:
+        self._empty_walks = 0 if result.found else self._empty_walks + 1
+        if self._empty_walks == 3:  # a fresh cache is empty on its first step; three in a row is not
             self._warn_once("empty", "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)", type(roots).__name__)
         if result.truncated:
             self._warn_once("cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut)
@@ -335,7 +350,7 @@ class Watchdog:
                 series.buffers, series.retained = held + retained, retained
                 if paths:
                     series.paths = tuple(paths)
-            if probe_start is None:
+            if probe_start is None and result.found:  # an empty cache is no sample of growth
                 self._samples.append((step, resident))
                 self._rate = fc.robust_slope(self._samples)
             self._measured_step = step
@@ -429,6 +444,10 @@ class Watchdog:
         self._fixed_once = False
         self._last_fix_step = self.steps
         self._probe: Optional[tuple] = None
+        self._empty_walks = 0
+        self._series_started = time.perf_counter() if self._started is not None else None
+        self._series_overhead = self.overhead_seconds
+        self._last_walk_cost = 0.0
 
     def _resident_now(self, step: int) -> float:
         return self._measured_resident + max(0.0, self._rate) * (step - self._measured_step)

@@ -1,0 +1,398 @@
+"""The command line: `mlx-watchdog demo`, `diagnose` (incl. --to-the-limit) and the `serve` dispatch.
+
+Everything runs offline on tiny random-weight models written by the tests (mlx_watchdog.tiny).
+Most commands run in-process through `cli.main([...])`; one real `mlx-watchdog demo` runs as a
+subprocess through the installed console script, and `--to-the-limit` starts its own child.
+"""
+
+import io
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import mlx.core as mx
+import pytest
+from rich.console import Console
+
+from mlx_watchdog import cli, demo, diagnose, tiny
+
+REPO = Path(__file__).resolve().parents[1]
+LEFT_PADDING = "ArraysCache.left_padding"
+
+
+# --------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A leaky hybrid (qwen3_next, 8 layers: 6 linear -> +5 buffers/step batched), a smaller one
+    for the runs to the limit (4 layers: +2/step), a dense llama, and a model type mlx-lm lacks."""
+    root = tmp_path_factory.mktemp("models")
+    dirs = {
+        "hybrid": tiny.save_model_dir(root / "hybrid", "qwen3_next", layers=8),
+        "hybrid4": tiny.save_model_dir(root / "hybrid4", "qwen3_next", layers=4),
+        "llama": tiny.save_model_dir(root / "llama", "llama", layers=2),
+    }
+    unknown = root / "unknown"
+    shutil.copytree(dirs["llama"], unknown)
+    config = json.loads((unknown / "config.json").read_text())
+    config["model_type"] = "gpt9"
+    (unknown / "config.json").write_text(json.dumps(config))
+    dirs["unknown"] = unknown
+    return dirs
+
+
+def run_main(capsys, *argv):
+    status = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- demo
+
+class _ScrapingFile(io.StringIO):
+    """The demo's console output; scrapes /metrics once when pass 2 starts (pass 1's watchdog
+    is alive and measured then), so the test reads the endpoint while the demo runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.url = None
+        self.scraped = None
+
+    def write(self, text):
+        if self.url is None:
+            match = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", text)
+            if match:
+                self.url = match.group(1)
+        if "pass 2/2" in text and self.url and self.scraped is None:
+            with urllib.request.urlopen(self.url, timeout=10) as reply:
+                self.scraped = reply.read().decode()
+        return super().write(text)
+
+
+def test_demo_leaks_then_fix_keeps_tokens_and_serves_metrics():
+    args = cli.build_parser(load_serve=False).parse_args(
+        ["demo", "--steps", "40", "--metrics-port", "0"])
+    out = _ScrapingFile()
+    outcome = demo.run_demo(args, Console(file=out, highlight=False, markup=False, soft_wrap=True, width=200))
+    text = out.getvalue()
+
+    # Pass 1 leaks (12 layers, 9 linear: 8 buffers/step), pass 2 is flat, the tokens are the same.
+    assert outcome.first.decode_steps == 40 and outcome.first.stopped is None
+    assert outcome.first.forecast.buffers_per_step == pytest.approx(8.0)
+    assert outcome.first.forecast.leaks[0].site == LEFT_PADDING
+    assert outcome.second.forecast.buffers_per_step < 0.01
+    assert outcome.second.watchdog.materialized_arrays > 0
+    assert [len(t) for t in outcome.first.tokens] == [40, 40]
+    assert outcome.first.tokens == outcome.second.tokens
+    assert outcome.exit_status == 0
+
+    # The terminal output: not a TTY here, so plain periodic lines, no escape codes.
+    assert "\x1b[" not in text
+    assert f"top leak site: {LEFT_PADDING} +8 buffers/step" in text
+    assert "tokens identical (80 compared)" in text
+    assert "VERDICT: the fix removes the leak" in text
+    assert re.search(r"crash: step 1,2\d\d", text), text  # (10,000 - ~270) / 8 + a few
+    assert "scaled down from the real 499,000" in text
+
+    # /metrics was served on loopback while the demo ran, and closed after it.
+    assert outcome.metrics_url == out.url
+    assert out.scraped is not None
+    growth = re.search(r'mlx_watchdog_buffers_per_step\{watchdog="demo-qwen3_next"\} (\S+)', out.scraped)
+    assert growth and float(growth.group(1)) == pytest.approx(8.0)
+    with pytest.raises(OSError):
+        urllib.request.urlopen(out.url, timeout=2)
+
+
+def test_demo_stops_at_the_scaled_limit_and_compares_what_was_decoded():
+    args = cli.build_parser(load_serve=False).parse_args(
+        ["demo", "--steps", "300", "--limit", "600", "--no-metrics"])
+    out = io.StringIO()
+    outcome = demo.run_demo(args, Console(file=out, markup=False, soft_wrap=True, width=200))
+    # (600 - ~273 resident at the start) / 8 per step: stopped after ~40 of the 300 steps.
+    assert outcome.first.stopped is not None
+    assert 30 <= outcome.first.decode_steps <= 50
+    assert outcome.second.decode_steps == outcome.first.decode_steps
+    assert outcome.first.tokens == outcome.second.tokens
+    assert outcome.exit_status == 0
+    assert "the estimate reached the limit of 600 buffers" in out.getvalue()
+
+
+def test_demo_console_script_runs_in_a_subprocess():
+    script = Path(sys.executable).with_name("mlx-watchdog")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog.cli"]
+    start = time.monotonic()
+    done = subprocess.run([*command, "demo", "--steps", "40", "--metrics-port", "0"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    wall = time.monotonic() - start
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^metrics: http://127\.0\.0\.1:\d+/metrics", done.stdout, re.M)
+    assert LEFT_PADDING in done.stdout
+    assert "tokens identical (80 compared)" in done.stdout
+    assert "VERDICT: the fix removes the leak" in done.stdout
+    assert wall < 60, f"demo --steps 40 took {wall:.1f} s"
+
+
+def test_demo_metrics_port_in_use_is_a_clear_error(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        status, out, err = run_main(capsys, "demo", "--steps", "5", "--metrics-port", port)
+    assert status == 2
+    assert f"127.0.0.1:{port}" in err and "--metrics-port" in err
+    assert "Traceback" not in err
+
+
+def test_demo_bad_options(capsys):
+    status, _, err = run_main(capsys, "demo", "--model-type", "gpt9")
+    assert status == 2 and "unknown --model-type 'gpt9'" in err and "qwen3_next" in err
+    status, _, err = run_main(capsys, "demo", "--layers", "2", "--no-metrics")
+    assert status == 2 and "full_attention_interval" in err
+    status, _, err = run_main(capsys, "demo", "--steps", "0")
+    assert status == 2 and "--steps: must be a positive integer, got '0'" in err
+
+
+# --------------------------------------------------------------------------- diagnose
+
+def _doc_blocks(doc: str) -> dict:
+    """The ``key  type`` blocks of diagnose's docstring: {block: {key: type}}."""
+    blocks, current = {}, None
+    for line in doc.splitlines():
+        header = re.match(r"^  (\w+):$", line)
+        if header:
+            current = blocks.setdefault(header.group(1), {})
+            continue
+        if line and not line.startswith(" "):
+            current = None
+        entry = re.match(r"^    (\w+)\s+(\S+)", line)
+        if current is not None and entry:
+            current[entry.group(1)] = entry.group(2)
+    return blocks
+
+
+def _check(value, kind: str, blocks: dict, where: str) -> None:
+    """Check ``value`` against a documented type: str int float bool, [x], {block}, x|null."""
+    if kind.endswith("|null"):
+        if value is None:
+            return
+        kind = kind[: -len("|null")]
+    if kind.startswith("[") and kind.endswith("]"):
+        assert isinstance(value, list), where
+        for i, item in enumerate(value):
+            _check(item, kind[1:-1], blocks, f"{where}[{i}]")
+    elif kind.startswith("{") and kind.endswith("}"):
+        _check_object(value, kind[1:-1], blocks, where)
+    elif kind == "str":
+        assert isinstance(value, str), where
+    elif kind == "int":
+        assert isinstance(value, int) and not isinstance(value, bool), where
+    elif kind == "float":
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), where
+        assert math.isfinite(value), where
+    elif kind == "bool":
+        assert isinstance(value, bool), where
+    else:
+        raise AssertionError(f"undocumented type {kind!r} at {where}")
+
+
+def _check_object(value, block: str, blocks: dict, where: str) -> None:
+    assert isinstance(value, dict), where
+    schema = blocks[block]
+    assert set(value) == set(schema), f"{where}: keys {sorted(value)} vs documented {sorted(schema)}"
+    for key, kind in schema.items():
+        _check(value[key], kind, blocks, f"{where}.{key}")
+
+
+def test_docstring_documents_both_json_objects():
+    blocks = _doc_blocks(diagnose.__doc__)
+    assert {"diagnose", "run", "leak", "fix", "versions", "to_the_limit", "failure", "forecast",
+            "checkpoint", "child"} <= set(blocks)
+    assert blocks["run"]["limit_step"] == "float|null"
+
+
+def test_diagnose_leaky_hybrid_json_schema_and_exit_1(capsys, model_dirs):
+    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "--steps", 60, "--json")
+    report = json.loads(out)
+    _check_object(report, "diagnose", _doc_blocks(diagnose.__doc__), "report")
+    assert status == report["exit_status"] == 1
+    assert report["schema"] == diagnose.SCHEMA and report["model_type"] == "qwen3_next"
+    assert report["leak"] is True and report["leak_sites"] == [LEFT_PADDING]
+    assert report["limit"] == 499_000 or mx.metal.is_available()
+    runs = {r["path"]: r for r in report["runs"]}
+    assert list(runs) == ["batched", "plain"]
+    batched, plain = runs["batched"], runs["plain"]
+    # 8 layers, 6 linear-attention: 5 buffers per step on the batched path, none on the plain one.
+    assert batched["leak"] and batched["buffers_per_step"] == pytest.approx(5.0)
+    assert batched["leaks"][0]["site"] == LEFT_PADDING
+    assert "[0].left_padding" in batched["leaks"][0]["paths"]
+    assert batched["batch_size"] == 2 and batched["decode_steps"] == 60
+    assert batched["limit_step"] == pytest.approx(
+        60 + (report["limit"] - batched["resident_buffers"]) / 5.0, rel=1e-3)
+    assert batched["fix"]["removes_leak"] and batched["fix"]["tokens_identical"]
+    assert batched["fix"]["buffers_per_step"] < 0.01 and batched["fix"]["compared_tokens"] == 120
+    assert 0 < batched["watchdog_overhead"] < 1
+    assert not plain["leak"] and plain["limit_step"] is None and plain["batch_size"] == 1
+    assert plain["fix"]["tokens_identical"]
+    assert report["fix_removes_leak"] is True
+    assert report["fix_command"] == f"mlx-watchdog serve --fix -- --model {model_dirs['hybrid']}"
+
+
+def test_diagnose_leaky_hybrid_report_names_site_and_fix_command(capsys, model_dirs):
+    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "--batch", "--steps", 50)
+    assert status == 1
+    assert f"LEAK on the batched path: +5 buffers/step, site {LEFT_PADDING}" in out
+    assert "the fix (Watchdog(fix=True)) removes it" in out and "tokens identical" in out
+    assert re.search(r"crashes after [\d,]+ tokens per sequence", out)
+    assert "watchdog overhead (self-timed)" in out
+    assert f"mlx-watchdog serve --fix -- --model {model_dirs['hybrid']}" in out
+    assert "plain path" not in out  # --batch alone: only the batched path
+
+
+def test_diagnose_dense_llama_exit_0(capsys, model_dirs):
+    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["llama"], "--steps", 60, "--json")
+    report = json.loads(out)
+    _check_object(report, "diagnose", _doc_blocks(diagnose.__doc__), "report")
+    assert status == report["exit_status"] == 0
+    assert report["leak"] is False and report["leak_sites"] == [] and report["fix_removes_leak"] is None
+    for run in report["runs"]:
+        assert run["buffers_per_step"] < 0.01 and run["leaks"] == [] and run["limit_step"] is None
+        assert run["fix"]["tokens_identical"]
+
+
+def test_diagnose_errors_are_clear(capsys, model_dirs, tmp_path):
+    missing = tmp_path / "no-such-model"
+    status, _, err = run_main(capsys, "diagnose", "--model", missing)
+    assert status == 2 and f"model path does not exist: {missing}" in err
+    status, _, err = run_main(capsys, "diagnose", "--model", model_dirs["unknown"], "--steps", 5)
+    assert status == 2 and "unknown model type 'gpt9'" in err and str(model_dirs["unknown"]) in err
+    status, _, err = run_main(capsys, "diagnose", "--model", model_dirs["llama"], "--steps", 0)
+    assert status == 2 and "--steps: must be a positive integer, got '0'" in err
+    status, _, err = run_main(capsys, "diagnose", "--steps", 5)
+    assert status == 2 and "--model PATH_OR_HF_ID is required" in err
+    status, _, err = run_main(capsys, "diagnose", "--model", "nobody/no-such-model-here", "--steps", 5)
+    assert status == 2 and "cannot load model nobody/no-such-model-here" in err
+    (tmp_path / "empty").mkdir()
+    status, _, err = run_main(capsys, "diagnose", "--model", tmp_path / "empty")
+    assert status == 2 and "no config.json" in err
+    status, _, err = run_main(capsys, "diagnose", "--model", model_dirs["llama"], "--", "--port", "8080")
+    assert status == 2 and "only `serve` takes them" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- --to-the-limit
+
+def test_to_the_limit_forecast_at_one_percent_within_one_percent(capsys, model_dirs):
+    # hybrid4: 3 linear layers, +2 buffers/step; the estimate crosses 1,100 after ~500 steps.
+    status, out, _ = run_main(capsys, "diagnose", "--to-the-limit", "--model", model_dirs["hybrid4"],
+                              "--batch", "--limit", 1100, "--json")
+    report = json.loads(out)
+    _check_object(report, "to_the_limit", _doc_blocks(diagnose.__doc__), "report")
+    assert status == report["exit_status"] == 0
+    failure = report["failure"]
+    assert failure["kind"] == "estimate_crossed_limit" and report["limit_source"] == "--limit"
+    assert 400 <= failure["step"] <= 600
+    assert report["child"]["exit_status"] == 0 and report["steps_recorded"] == failure["step"]
+    forecast = report["forecast"]
+    assert 1.0 <= forecast["made_at_percent"] <= 2.0
+    assert forecast["made_at_step"] <= 0.02 * failure["step"] + 1
+    assert abs(forecast["limit_step"] - failure["step"]) <= 0.01 * failure["step"]
+    assert report["error_percent"] == pytest.approx(
+        100 * (forecast["limit_step"] - failure["step"]) / failure["step"], abs=1e-3)
+    assert abs(report["error_percent"]) < 1.0
+    assert [c["percent"] for c in report["checkpoints"]] == [1.0, 5.0, 10.0, 25.0, 50.0]
+
+
+def test_to_the_limit_child_crash_does_not_fail_the_parent(capsys, model_dirs):
+    # The child dies like an uncaught Metal error kills a process (SIGABRT, no report of its own):
+    # the parent takes the failing step from the stream and the error from the child's stderr.
+    status, out, err = run_main(capsys, "diagnose", "--to-the-limit", "--model", model_dirs["hybrid4"],
+                                "--batch", "--limit", 1100, "--crash-at-limit")
+    assert status == 0, out + err
+    assert re.search(r"child process (was killed by signal \d+|exited with status -?\d+)", out)
+    match = re.search(r"real failure at step ([\d,]+): \[metal::malloc\] Resource limit \(1100\) exceeded", out)
+    assert match, out
+    fail_step = int(match.group(1).replace(",", ""))
+    forecast = re.search(r"forecast made at step (\d+) \(([\d.]+)% of the run\): limit at step ([\d,]+); "
+                         r"actual failing step ([\d,]+); error ([+-][\d.]+)%", out)
+    assert forecast, out
+    assert int(forecast.group(4).replace(",", "")) == fail_step
+    assert 1.0 <= float(forecast.group(2)) <= 2.0
+    assert abs(float(forecast.group(5))) < 1.0
+
+
+def test_to_the_limit_needs_a_limit_without_metal(capsys):
+    if mx.metal.is_available():
+        pytest.skip("Metal has a real resource limit: --to-the-limit runs into it without --limit")
+    status, _, err = run_main(capsys, "diagnose", "--to-the-limit")
+    assert status == 2 and "pass --limit N" in err
+
+
+def test_to_the_limit_reports_children_that_end_without_a_failing_step():
+    def outcome(records, events, returncode, stderr="", stalled=False):
+        return diagnose._ChildOutcome(records, events, returncode, stderr, stalled)
+
+    config = {"limit": 1000}
+    records = [(s, 100 + 2 * s, 450.0) for s in range(1, 101)]
+    cap = diagnose._limit_report(outcome(records, [{"event": "cap", "step": 100}], 0), config, "m", "batched")
+    assert cap["failure"]["kind"] == "step_cap" and cap["exit_status"] == 1 and cap["forecast"] is None
+    died = diagnose._limit_report(outcome(records, [], 1, "Segmentation fault\n"), config, "m", "batched")
+    assert died["failure"] == {"kind": "child_died", "step": None, "error": "exit status 1: Segmentation fault"}
+    assert died["exit_status"] == 1
+    stuck = diagnose._limit_report(outcome(records, [], -9, stalled=True), config, "m", "batched")
+    assert stuck["failure"]["kind"] == "stalled"
+    usage = diagnose._limit_report(outcome([], [{"event": "error", "usage": True, "error": "x"}], 2),
+                                   config, "m", "batched")
+    assert usage["exit_status"] == 2
+    # Metal's real error in the stderr of a child that aborted after step 100: it failed in step 101.
+    real = diagnose._limit_report(
+        outcome(records, [], -6, "libc++abi: [metal::malloc] Resource limit (499000) exceeded.\n"),
+        config, "m", "batched")
+    assert real["failure"]["kind"] == "resource_limit_error" and real["failure"]["step"] == 101
+    # The only forecast (450) was made from step 1 on, so the 1% one is at step 2 (1.98%).
+    assert real["forecast"] == {"made_at_step": 2, "made_at_percent": 1.98, "limit_step": 450.0}
+    assert real["error_percent"] == pytest.approx(100 * (450 - 101) / 101, abs=1e-3)
+    blocks = _doc_blocks(diagnose.__doc__)
+    for report in (cap, died, stuck, usage, real):
+        _check_object(report, "to_the_limit", blocks, "report")
+
+
+# --------------------------------------------------------------------------- serve dispatch
+
+def test_serve_gets_its_options_and_the_server_argv(monkeypatch):
+    from mlx_watchdog import serve
+
+    seen = {}
+
+    def fake_run(args, server_argv):
+        seen.update(args=args, server_argv=server_argv)
+        return 0
+
+    monkeypatch.setattr(serve, "run", fake_run)
+    assert cli.main(["serve", "--fix", "--no-metrics", "--", "--model", "m", "--port", "8080"]) == 0
+    assert seen["server_argv"] == ["--model", "m", "--port", "8080"]
+    assert seen["args"].fix is True and seen["args"].no_metrics is True
+
+
+def test_demo_and_diagnose_work_without_serve(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_import_serve", lambda: (None, "ModuleNotFoundError: no serve"))
+    status, _, err = run_main(capsys, "serve", "--", "--model", "m")
+    assert status == 2 and "`serve` is not available" in err and "no serve" in err
+    status, out, _ = run_main(capsys, "demo", "--help")
+    assert status == 0 and "--metrics-port" in out
+    status, out, _ = run_main(capsys, "--help")
+    assert status == 0 and "diagnose" in out and "serve" in out
