@@ -229,13 +229,6 @@ class Watchdog:
             resident = self._resident_now(step)
             stl = fc.steps_to_limit(resident, self.limit, rate)
             step_rate = self._step_rate()
-            fixing = self.fix and self._fixed_once
-            leaks = []
-            for site, series in self._sites.items():
-                site_rate = series.rate(fixing)
-                if site_rate > LEAK_THRESHOLD:
-                    leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers))
-            leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
             return fc.Forecast(
                 step=step,
                 resident_buffers=int(round(resident)),
@@ -243,7 +236,7 @@ class Watchdog:
                 buffers_per_step=max(0.0, rate),
                 steps_to_limit=stl,
                 seconds_to_limit=fc.seconds_from_steps(stl, step_rate),
-                leaks=tuple(leaks),
+                leaks=self._leaks,
                 step_rate=step_rate,
                 source=EXACT_COUNTER_NAME or "estimate",
                 parameter_buffers=self._parameter_buffers,
@@ -353,6 +346,7 @@ class Watchdog:
             if probe_start is None and result.found:  # an empty cache is no sample of growth
                 self._samples.append((step, resident))
                 self._rate = fc.robust_slope(self._samples)
+            self._update_leaks()
             self._measured_step = step
             self._measured_resident = resident
             self._cache_buffers = cache_buffers
@@ -380,13 +374,14 @@ class Watchdog:
                 return
         with self._lock:
             # What the cut chains would have kept: the growth the probes measured, per step.
-            probed = [s.rate(True) for s in self._sites.values() if s.growth]
-            per_step = sum(probed) if probed else max(0.0, self._rate)
+            per_step = self._probed_growth if self._probed_growth is not None else max(0.0, self._rate)
             self.materialized_arrays += len(pending)
             if pending:
                 self.reclaimed_buffers += per_step * (step - self._last_fix_step)
             self._last_fix_step = step
-            self._fixed_once = True
+            if not self._fixed_once:
+                self._fixed_once = True
+                self._update_leaks()
 
     def _resolve_arrays(self, roots: Any) -> list[mx.array]:
         """The arrays at the paths found by the last walk, re-read without a walk."""
@@ -406,10 +401,15 @@ class Watchdog:
     def _act(self, roots: Any, last_output: Any, step: int) -> None:
         if self.stop_within is None and self.warn_within is None and self.coordinator is None:
             return
-        forecast = self.forecast()
-        stl = forecast.steps_to_limit
+        with self._lock:  # cheap arithmetic; the full Forecast only when a threshold is crossed
+            stl = fc.steps_to_limit(self._resident_now(step), self.limit, self._rate)
         if self.coordinator is not None:
             stl = self.coordinator.worst(step, stl)
+        near = (self.stop_within is not None and stl <= self.stop_within) or (
+            self.warn_within is not None and stl <= self.warn_within)
+        if not near:
+            return
+        forecast = self.forecast()
         if self.stop_within is not None and stl <= self.stop_within:
             if self.fix and _evaluated_output(last_output):
                 # Try the fix first: materialize everything now and measure again.
@@ -435,6 +435,8 @@ class Watchdog:
     def _reset_series(self) -> None:
         self._samples: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
         self._sites: dict[str, _SiteSeries] = {}
+        self._leaks: tuple[fc.Leak, ...] = ()
+        self._probed_growth: Optional[float] = None
         self._rate = 0.0
         self._measured_step = self.steps
         self._measured_resident = self._parameter_buffers
@@ -448,6 +450,20 @@ class Watchdog:
         self._series_started = time.perf_counter() if self._started is not None else None
         self._series_overhead = self.overhead_seconds
         self._last_walk_cost = 0.0
+
+    def _update_leaks(self) -> None:
+        """Per-site rates, computed once per walk (not per step or per scrape). Holds the lock."""
+        fixing = self.fix and self._fixed_once
+        leaks, probed = [], []
+        for site, series in self._sites.items():
+            site_rate = series.rate(fixing)
+            if series.growth:
+                probed.append(statistics.median(series.growth))
+            if site_rate > LEAK_THRESHOLD:
+                leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers))
+        leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
+        self._leaks = tuple(leaks)
+        self._probed_growth = sum(probed) if probed else None
 
     def _resident_now(self, step: int) -> float:
         return self._measured_resident + max(0.0, self._rate) * (step - self._measured_step)
