@@ -525,3 +525,29 @@ def test_forecast_from_another_thread_during_a_batched_decode(hybrid):
         assert list(f.leaks) == sorted(f.leaks, key=lambda leak: -leak.buffers_per_step)
     assert forecasts[-1].step > forecasts[0].step
     assert wd.forecast().buffers_per_step == pytest.approx(8, rel=0.05)
+
+
+def test_overlapping_decorated_calls_keep_the_model_watched_until_the_last_ends():
+    import threading as _threading
+
+    from mlx_watchdog.attach import watch as _watch
+
+    model = tiny.build_model("llama", layers=2)
+    original = type(model)
+    entered, release = _threading.Barrier(2), _threading.Event()
+
+    @_watch(limit=10_000)
+    def hold(model, tokenizer, prompt, prompt_cache=None):
+        entered.wait(timeout=10)
+        release.wait(timeout=10)
+        return type(model) is not original
+
+    results = []
+    workers = [_threading.Thread(target=lambda: results.append(hold(model, None, None))) for _ in range(2)]
+    for w in workers:
+        w.start()
+    release.set()
+    for w in workers:
+        w.join(timeout=30)
+    assert results == [True, True]
+    assert type(model) is original

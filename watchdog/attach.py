@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 from .core import Watchdog
 
 _STATE = "_mlx_watchdog_state"
-_attach_lock = threading.Lock()
+_attach_lock = threading.RLock()
 
 
 class _ModelState:
@@ -35,6 +35,8 @@ class _ModelState:
         self.last_output: Any = None
         self.prefill_hooks: list[Callable] = []  # fn(watchdog, inputs, output) after a multi-token forward
         self.prefill_cache: Any = None  # the forward's cache, set only while the prefill hooks run
+        self.blocks: list = []  # open @watch calls: [watchdog, count], oldest first (threads may overlap)
+        self.restore_to: Optional[Watchdog] = None  # the watchdog found before the first of them
 
 
 def _observed_call(self, *args, **kwargs):
@@ -239,20 +241,49 @@ def watch(fn: Optional[Callable] = None, *, watchdog: Optional[Watchdog] = None,
 
 
 class _Watching:
-    """Watch a model for the duration of a block; restore what was there before."""
+    """Watch a model for the duration of a block; restore what was there before.
+
+    Blocks may overlap (two threads calling the same decorated function on one model): the
+    model is given back only when the last block using this watchdog ends."""
 
     def __init__(self, model, watchdog: Watchdog):
         self.model, self.watchdog = model, watchdog
 
     def __enter__(self):
-        state = watched_state(self.model)
-        self.previous = state.watchdog if state is not None else None
-        watch_model(self.model, self.watchdog)
+        with _attach_lock:
+            state = watched_state(self.model)
+            before = state.watchdog if state is not None else None
+            blocks = state.blocks if state is not None else []
+            watch_model(self.model, self.watchdog)
+            state = watched_state(self.model)
+            if not blocks:
+                state.restore_to = before
+            for entry in blocks:
+                if entry[0] is self.watchdog:
+                    entry[1] += 1
+                    break
+            else:
+                blocks.append([self.watchdog, 1])
+            state.blocks = blocks
         return self.model
 
     def __exit__(self, *exc):
-        if self.previous is None:
-            unwatch_model(self.model)
-        else:
-            watch_model(self.model, self.previous)
+        with _attach_lock:
+            state = watched_state(self.model)
+            if state is None:
+                return False
+            for entry in state.blocks:
+                if entry[0] is self.watchdog:
+                    entry[1] -= 1
+                    if entry[1] == 0:
+                        state.blocks.remove(entry)
+                    break
+            if state.blocks:  # blocks still open: the most recent one's watchdog watches
+                watch_model(self.model, state.blocks[-1][0])
+            elif state.restore_to is None:
+                unwatch_model(self.model)
+            else:
+                watch_model(self.model, state.restore_to)
         return False
+
+
