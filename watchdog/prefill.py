@@ -1,0 +1,607 @@
+"""Prefill guard: measure a prefill chunk's lazy graph before it runs, and size chunks to fit.
+
+A watched model (``watch_model``) calls the guard right after a forward pass of more than one
+token, *before* anyone evaluates its output. The guard walks the chunk's lazy graph
+(``graph_size`` over the output and the cache's arrays), at most once per distinct chunk length:
+the first chunk and any chunk longer than all walked so far; shorter lengths are predicted, and
+walked only while the limit is near (to refine the fit). It fits graph nodes and evaluated
+input buffers per token (least squares over the walked lengths) and records on the watchdog:
+
+* ``prefill_graph_nodes``: pending nodes of the last measured chunk;
+* ``max_safe_prefill_tokens``: the largest chunk whose predicted buffers stay under
+  ``safety * limit - resident``.
+
+What is compared with the limit (an estimate, see README-prefill.md): the buffers one chunk's
+evaluation could hold at once = its pending graph nodes (each primitive output may allocate a
+buffer) + the distinct evaluated arrays it reads. MLX frees intermediates while it evaluates,
+so this is an upper bound; the evaluated inputs include the parameters and cache arrays that
+are also counted as resident, a conservative double count of at most ``resident`` buffers.
+
+With ``stop_within`` set on the watchdog, a chunk predicted over ``limit - resident`` raises
+:class:`ResourceLimitForecast` (reason ``"prefill"``) before it is evaluated, and the message
+names the safe ``prefill_step_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .attach import watch_model, watched_state
+from .core import ResourceLimitForecast, Watchdog
+from .graph import graph_size
+from .introspect import find_arrays
+from .limits import resolve_limit
+
+logger = logging.getLogger("mlx_watchdog")
+
+DEFAULT_SAFETY = 0.5
+# Distinct live lengths walked before the fit is trusted for lengths between them (no walk).
+MIN_POINTS = 3
+# More lengths are walked only while the safe size is within this factor of the chunks seen:
+# far from the limit, one walk per guard is enough and the fit need not be precise.
+NEAR_FACTOR = 4
+TRUST_R2 = 0.99
+FLAT_SPREAD = 0.05  # nodes within 5% of each other over all lengths: a flat graph, also trusted
+# Walks per guard are bounded: a server sees many remainder-chunk lengths.
+MAX_MEASURED_LENGTHS = 16
+# The shortest calibration chunk added to a guard's first measurement (at most 16 tokens).
+COMPANION_TOKENS = 4
+# Reported as the safe size when the graph does not grow with the chunk length.
+UNBOUNDED_TOKENS = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One walked chunk: ``tokens`` per sequence, its pending graph nodes and the distinct
+    evaluated buffers the graph reads, and how long the walk took."""
+
+    tokens: int
+    nodes: int
+    buffers: int
+    seconds: float
+    live: bool = True  # a chunk the program ran; False: built on a fresh cache to calibrate
+
+    @property
+    def predicted_buffers(self) -> int:
+        return self.nodes + self.buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class LineFit:
+    """``intercept + slope * tokens``; ``r2`` of the least-squares line (nan with one length).
+    ``flat``: the sizes did not grow with the length, so the line is their maximum."""
+
+    intercept: float
+    slope: float
+    r2: float
+    points: int
+    flat: bool = False
+
+    def at(self, tokens: float) -> float:
+        return self.intercept + self.slope * tokens
+
+
+def fit_line(points: Sequence[tuple[float, float]], flat_spread: float = FLAT_SPREAD) -> LineFit:
+    """Least squares through ``(tokens, size)`` points; with one distinct length, proportional
+    (through the origin).
+
+    A flat series is replaced by its largest size (slope 0): a falling line (a chunk graph does
+    not shrink as the chunk grows: extrapolating a fall would under-predict), and sizes within
+    ``flat_spread`` of each other over lengths at least a factor 2 apart (a forward vectorized
+    over tokens whose op count steps once, e.g. an MoE that sorts its routing above a size,
+    would otherwise extrapolate that step as growth)."""
+    data = np.asarray(list(points), dtype=np.float64)
+    if data.ndim != 2 or data.shape[0] == 0 or data.shape[1] != 2:
+        raise ValueError(f"fit_line needs a non-empty list of (tokens, size) pairs, got {points!r}")
+    x, y = data[:, 0], data[:, 1]
+    if not np.all(np.isfinite(data)) or np.any(x <= 0):
+        raise ValueError(f"fit_line needs finite sizes and tokens > 0, got {points!r}")
+    if np.unique(x).size == 1:
+        return LineFit(0.0, float(y.mean() / x[0]), math.nan, len(x))
+    slope, intercept = np.polyfit(x, y, 1)
+    residual = float(np.sum((y - (intercept + slope * x)) ** 2))
+    total = float(np.sum((y - y.mean()) ** 2))
+    if total > 0:
+        r2 = 1.0 - residual / total
+    else:  # every size equal: the line is exact
+        r2 = 1.0 if residual <= 1e-9 * max(1.0, float(np.abs(y).max())) else 0.0
+    spread = float(y.max() - y.min()) <= flat_spread * float(np.abs(y).max())
+    if slope < 0 or (spread and x.max() >= 2 * x.min()):
+        return LineFit(float(y.max()), 0.0, float(r2), len(x), flat=True)
+    return LineFit(float(intercept), float(slope), float(r2), len(x))
+
+
+def largest_safe_chunk(nodes: LineFit, buffers: LineFit, budget: float,
+                       ceiling: int = UNBOUNDED_TOKENS) -> int:
+    """The largest ``n`` in [0, ceiling] with ``nodes.at(n) + buffers.at(n) <= budget``."""
+    intercept = nodes.intercept + buffers.intercept
+    slope = nodes.slope + buffers.slope
+    if slope <= 1e-12:
+        return ceiling if intercept + slope <= budget else 0
+    n = math.floor((budget - intercept) / slope)
+    n = max(0, min(ceiling, n))
+    while n > 0 and intercept + slope * n > budget:  # float rounding at the boundary
+        n -= 1
+    return n
+
+
+def measure_chunk(tokens: int, output: Any, cache: Any = None) -> Measurement:
+    """Walk the lazy graph of a chunk's ``output`` and ``cache`` (not evaluated) once.
+
+    The output reaches the whole forward, but some cache updates are not on its path (the last
+    layer's recurrent state, for example); walking both counts each node and buffer once."""
+    arrays = [a for _, a in find_arrays((output, cache))]
+    if not arrays:
+        raise ValueError("the chunk's output and cache hold no mx.array to measure")
+    start = time.perf_counter()
+    nodes, buffers = graph_size(arrays)
+    return Measurement(int(tokens), nodes, buffers, time.perf_counter() - start)
+
+
+def _chunk_tokens(inputs: Any) -> int:
+    shape = getattr(inputs, "shape", None)
+    if shape is None or len(shape) < 2:
+        raise ValueError(f"prefill inputs need a (batch, tokens) shape, got {shape!r}")
+    return int(shape[1])
+
+
+def _check_lengths(lengths: Sequence[int], what: str) -> list[int]:
+    try:
+        values = sorted(set(lengths))
+    except TypeError:
+        raise ValueError(f"{what} must be a sequence of token counts, got {lengths!r}") from None
+    if not values or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in values):
+        raise ValueError(f"{what} must be a non-empty sequence of ints >= 2 (a prefill chunk), got {lengths!r}")
+    return values
+
+
+def _check_safety(safety: float) -> float:
+    if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not 0 < safety <= 1:
+        raise ValueError(f"safety must be a fraction of the limit in (0, 1], got {safety!r}")
+    return float(safety)
+
+
+def _unwatched_forward(model: Any) -> Callable[[mx.array, Any], Any]:
+    """The model's own forward, without the watchdog's observe and hooks (measuring a
+    calibration chunk must not count as a decode step)."""
+    state = watched_state(model)
+    cls = state.original_class if state is not None else type(model)
+    return lambda inputs, cache: cls.__call__(model, inputs, cache=cache)
+
+
+def _measure_fresh(model: Any, tokens: int) -> Measurement:
+    """Build one chunk's forward on a fresh cache and measure it; nothing is evaluated."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    start = time.perf_counter()
+    cache = make_prompt_cache(model)
+    output = _unwatched_forward(model)(mx.zeros((1, tokens), dtype=mx.int32), cache)
+    measured = measure_chunk(tokens, output, cache)
+    # The seconds include building the forward: all of it is the guard's cost.
+    return dataclasses.replace(measured, live=False, seconds=time.perf_counter() - start)
+
+
+class PrefillGuard:
+    """Measures prefill chunks of one watched model; see the module docstring.
+
+    Two kinds of points: *live* chunks (what the program runs, walked once per length) and
+    *calibration* chunks (built on a fresh ``make_prompt_cache`` cache, never evaluated). The
+    two may lie on different lines: mlx-lm's batched caches add ops per token (measured: a
+    tiny qwen3_next in ``BatchGenerator`` has about 25% more nodes per token than with a plain
+    cache). So calibration points only fill in until two live lengths are known.
+
+    Args:
+        watchdog: the model's watchdog (its ``limit``, ``stop_within`` and forecast).
+        safety: the fraction of the limit a chunk's predicted buffers may use (with what is
+            resident) for the safe size.
+        on_safe_size: ``fn(tokens)``, called when the safe chunk size changes.
+        max_lengths: at most this many distinct live chunk lengths are ever walked.
+    """
+
+    def __init__(self, watchdog: Watchdog, safety: float = DEFAULT_SAFETY,
+                 on_safe_size: Optional[Callable[[int], Any]] = None, *,
+                 max_lengths: int = MAX_MEASURED_LENGTHS, ceiling: int = UNBOUNDED_TOKENS):
+        if not isinstance(watchdog, Watchdog):
+            raise ValueError(f"PrefillGuard needs a Watchdog, got {type(watchdog).__name__}")
+        if on_safe_size is not None and not callable(on_safe_size):
+            raise ValueError(f"on_safe_size must be callable, got {on_safe_size!r}")
+        for label, value in (("max_lengths", max_lengths), ("ceiling", ceiling)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{label} must be an int >= 1, got {value!r}")
+        self.watchdog = watchdog
+        self.safety = _check_safety(safety)
+        self.on_safe_size = on_safe_size
+        self.max_lengths = max_lengths
+        self.ceiling = ceiling
+        self._lock = threading.Lock()
+        self._live: dict[int, Measurement] = {}
+        self._calibration: dict[int, Measurement] = {}
+        self._fits: Optional[tuple[LineFit, LineFit]] = None
+        self._reported: Optional[int] = None
+        self._state: Any = None  # the watched model's state, whose prefill_cache the hook reads
+        self._model: Optional[weakref.ref] = None  # for a calibration point (see _check)
+        self.safe_tokens: Optional[int] = None
+        self.chunks = 0  # live prefill chunks seen
+        self.walks = 0  # graph walks, live and calibration
+        self.walk_seconds = 0.0
+        self.internal_errors = 0
+
+    # ------------------------------------------------------------------ readings
+
+    @property
+    def measurements(self) -> list[Measurement]:
+        """Every measured chunk, live and calibration, by length."""
+        with self._lock:
+            points = list(self._calibration.values()) + list(self._live.values())
+        return sorted(points, key=lambda m: (m.tokens, m.live))
+
+    def _fit_points(self) -> list[Measurement]:
+        if len(self._live) >= 2:
+            return list(self._live.values())
+        return list({**self._calibration, **self._live}.values())
+
+    @property
+    def nodes_fit(self) -> Optional[LineFit]:
+        fits = self._fits
+        return fits[0] if fits else None
+
+    @property
+    def buffers_fit(self) -> Optional[LineFit]:
+        fits = self._fits
+        return fits[1] if fits else None
+
+    def predicted_buffers(self, tokens: int) -> Optional[float]:
+        """Buffers a chunk of ``tokens`` would hold at once (nodes + inputs): the live
+        measurement of that length when there is one, else the fit."""
+        with self._lock:
+            measured = self._live.get(tokens)
+            fits = self._fits
+        if measured is not None:
+            return float(measured.predicted_buffers)
+        if fits is None:
+            return None
+        return max(0.0, fits[0].at(tokens)) + max(0.0, fits[1].at(tokens))
+
+    # ------------------------------------------------------------------ measuring
+
+    def record(self, measurement: Measurement) -> None:
+        """Add one measurement and refit."""
+        with self._lock:
+            (self._live if measurement.live else self._calibration)[measurement.tokens] = measurement
+            points = self._fit_points()
+            self._fits = (fit_line([(m.tokens, m.nodes) for m in points]),
+                          fit_line([(m.tokens, m.buffers) for m in points]))
+            self.walks += 1
+            self.walk_seconds += measurement.seconds
+            if measurement.live or not self._live:
+                self.watchdog.prefill_graph_nodes = measurement.nodes
+
+    def calibrate(self, model: Any, lengths: Sequence[int] = (32, 64, 128)) -> Optional[int]:
+        """Measure chunks of ``lengths`` on a fresh cache (built, never evaluated), so the safe
+        size is known before the first real prefill. Returns the safe size."""
+        for tokens in _check_lengths(lengths, "calibrate lengths"):
+            self.record(_measure_fresh(model, tokens))
+        safe, _ = self._assess(None)
+        self._report(safe)
+        return safe
+
+    def _should_walk(self, tokens: int) -> bool:
+        with self._lock:
+            live = self._live
+            if tokens in live or len(live) >= self.max_lengths:
+                return False
+            if not live or tokens > max(live):
+                return True  # the first chunk, or an extrapolation upwards (the risky side)
+            # A shorter chunk than one already walked: predicted. Refine the fit only when
+            # the safe size is close to the chunks the program runs.
+            safe = self.safe_tokens
+            if safe is None or safe >= NEAR_FACTOR * max(live):
+                return False
+            if len(live) < MIN_POINTS:
+                return True
+            nodes = [m.nodes for m in live.values()]
+            flat = max(nodes) - min(nodes) <= FLAT_SPREAD * max(nodes)
+            fits = self._fits
+            return not (flat or (fits is not None and fits[0].r2 >= TRUST_R2))
+
+    def _assess(self, tokens: Optional[int]) -> tuple[Optional[int], Optional[float]]:
+        """(safe chunk size, predicted buffers of a chunk of ``tokens``); sets the watchdog's reading."""
+        fits = self._fits
+        if fits is None:
+            return None, None
+        resident = self.watchdog.forecast().resident_buffers
+        budget = self.safety * self.watchdog.limit - resident
+        safe = largest_safe_chunk(fits[0], fits[1], budget, self.ceiling)
+        self.safe_tokens = safe
+        self.watchdog.max_safe_prefill_tokens = safe
+        return safe, (self.predicted_buffers(tokens) if tokens is not None else None)
+
+    def _over_budget(self, measurement: Measurement) -> bool:
+        resident = self.watchdog.forecast().resident_buffers
+        return measurement.predicted_buffers > self.safety * self.watchdog.limit - resident
+
+    def _report(self, safe: Optional[int]) -> None:
+        if safe is None or safe == self._reported:
+            return
+        self._reported = safe
+        logger.debug("mlx-watchdog: safe prefill chunk for %s: %d tokens", self.watchdog.name, safe)
+        if self.on_safe_size is not None:
+            try:
+                self.on_safe_size(safe)
+            except Exception as exc:  # the caller's callback must not break the prefill
+                self._internal_error("on_safe_size callback", exc)
+
+    # ------------------------------------------------------------------ the hook
+
+    def hook(self, watchdog: Watchdog, inputs: Any, output: Any) -> None:
+        """The ``prefill_hooks`` entry: ``fn(watchdog, inputs, output)``."""
+        state = self._state
+        cache = state.prefill_cache if state is not None else None
+        self.check_chunk(inputs, output, cache)
+
+    def check_chunk(self, inputs: Any, output: Any, cache: Any = None) -> None:
+        """Measure (when due) and judge one prefill chunk whose ``output`` is not evaluated yet.
+
+        Never raises, except :class:`ResourceLimitForecast` when the watchdog has
+        ``stop_within`` set and the chunk is predicted over the limit."""
+        start = time.perf_counter()
+        try:
+            verdict = self._check(inputs, output, cache)
+        except Exception as exc:
+            self._internal_error("prefill guard", exc)
+            verdict = None
+        finally:
+            self.watchdog.overhead_seconds += time.perf_counter() - start
+        if verdict is not None:
+            raise verdict
+
+    def _check(self, inputs: Any, output: Any, cache: Any) -> Optional[ResourceLimitForecast]:
+        tokens = _chunk_tokens(inputs)
+        with self._lock:
+            self.chunks += 1
+            alone = not self._live and not self._calibration
+        if self._should_walk(tokens):
+            measurement = measure_chunk(tokens, output, cache)
+            self.record(measurement)
+            model = self._model() if self._model is not None else None
+            if alone and model is not None and tokens >= 2 * COMPANION_TOKENS and self._over_budget(measurement):
+                # One point fits a line through the origin: above the point it over-predicts
+                # (conservative), below it it under-predicts a graph with a fixed part (a flat
+                # dense or MoE graph most of all). The chunk does not fit, so the safe size lies
+                # below it: add a short calibration chunk (built, never evaluated) for the line.
+                self.record(_measure_fresh(model, max(COMPANION_TOKENS, min(16, tokens // 8))))
+        safe, predicted = self._assess(tokens)
+        self._report(safe)
+        wd = self.watchdog
+        if wd.stop_within is None or predicted is None:
+            return None
+        forecast = wd.forecast()
+        room = wd.limit - forecast.resident_buffers
+        if predicted <= room:
+            return None
+        wd.record_stop("prefill")
+        if safe:
+            advice = (f"retry with prefill_step_size={safe} (the largest chunk predicted under "
+                      f"{self.safety:.0%} of the limit)")
+        else:
+            advice = ("no chunk size fits: free resident buffers (Watchdog(fix=True) cuts leaked "
+                      "chains) or raise the limit")
+        message = (
+            f"mlx-watchdog stopped the prefill before evaluating it: a chunk of {tokens} tokens is "
+            f"predicted to hold {predicted:.0f} buffers at once (graph nodes + inputs), more than the "
+            f"{room} left under the limit of {wd.limit} ({forecast.resident_buffers} resident); "
+            f"{advice}. The prompt cache holds this chunk's unevaluated update: rebuild or trim it "
+            f"before retrying."
+        )
+        logger.error("%s", message)
+        exc = ResourceLimitForecast(forecast, reason="prefill")
+        exc.args = (message,)
+        exc.chunk_tokens = tokens
+        exc.predicted_buffers = predicted
+        exc.safe_prefill_tokens = safe
+        return exc
+
+    def _internal_error(self, where: str, exc: BaseException) -> None:
+        with self._lock:
+            self.internal_errors += 1
+        self.watchdog._internal_error(where, exc)
+
+    def remove(self) -> None:
+        """Stop guarding: take the hook off the model it was installed on."""
+        state, self._state = self._state, None
+        if state is not None:
+            state.prefill_hooks[:] = [h for h in state.prefill_hooks if getattr(h, "__self__", None) is not self]
+
+    def __repr__(self) -> str:
+        fit = self.nodes_fit
+        per_token = f"{fit.slope:.1f}" if fit else "?"
+        return (f"PrefillGuard({self.watchdog.name!r}, nodes/token={per_token}, "
+                f"safe_tokens={self.safe_tokens}, walks={self.walks}, chunks={self.chunks})")
+
+
+def install(watchdog: Watchdog, model: Any, on_safe_size: Optional[Callable[[int], Any]] = None, *,
+            safety: float = DEFAULT_SAFETY, calibrate: Sequence[int] = ()) -> PrefillGuard:
+    """Guard ``model``'s prefill chunks with ``watchdog`` (the model is watched first when it is
+    not). A guard installed earlier on the same model is replaced. ``calibrate``: chunk lengths
+    to measure now on a fresh cache (never evaluated), so ``on_safe_size`` hears the safe size
+    before the first request."""
+    guard = PrefillGuard(watchdog, safety, on_safe_size)
+    state = watched_state(model)
+    if state is None:
+        watch_model(model, watchdog)
+        state = watched_state(model)
+    state.prefill_hooks[:] = [h for h in state.prefill_hooks
+                              if not isinstance(getattr(h, "__self__", None), PrefillGuard)]
+    guard._state = state
+    guard._model = weakref.ref(model)
+    state.prefill_hooks.append(guard.hook)
+    if calibrate:
+        guard.calibrate(model, calibrate)
+    return guard
+
+
+def installed_guard(model: Any) -> Optional[PrefillGuard]:
+    """The guard installed on ``model``, if any."""
+    state = watched_state(model)
+    for hook in state.prefill_hooks if state is not None else ():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, PrefillGuard):
+            return owner
+    return None
+
+
+# --------------------------------------------------------------------------- diagnose
+
+def safe_prefill_report(model: Any, limit: Optional[int] = None, lengths: Sequence[int] = (32, 64, 128), *,
+                        safety: float = DEFAULT_SAFETY, resident_buffers: Optional[int] = None) -> dict:
+    """Measure the forward graph of prefill chunks of ``lengths`` tokens and compute the safe
+    prefill step size for ``limit`` (default: the device's). Each chunk is built on a fresh
+    cache and never evaluated; a length already predicted over the limit is not even built.
+
+    ``resident_buffers`` defaults to the model's parameter arrays. Returns a dict with
+    ``nodes_per_token``, ``buffers_per_token``, ``max_safe_prefill_tokens`` (``UNBOUNDED_TOKENS``
+    when no chunk up to that size reaches the budget: ``bounded`` False; 0 when not even one
+    token fits), ``measurements`` and the fit's details."""
+    values = _check_lengths(lengths, "lengths")
+    safety = _check_safety(safety)
+    limit = resolve_limit(limit)
+    if resident_buffers is None:
+        params = model.parameters() if hasattr(model, "parameters") else {}
+        resident_buffers = len({id(a) for _, a in tree_flatten(params) if isinstance(a, mx.array)})
+    elif isinstance(resident_buffers, bool) or not isinstance(resident_buffers, int) or resident_buffers < 0:
+        raise ValueError(f"resident_buffers must be an int >= 0, got {resident_buffers!r}")
+    measured: list[Measurement] = []
+    skipped: list[int] = []
+    for tokens in values:
+        if measured:
+            nodes = fit_line([(m.tokens, m.nodes) for m in measured])
+            buffers = fit_line([(m.tokens, m.buffers) for m in measured])
+            if nodes.at(tokens) + buffers.at(tokens) > limit - resident_buffers:
+                skipped.append(tokens)
+                continue
+        measured.append(_measure_fresh(model, tokens))
+    nodes = fit_line([(m.tokens, m.nodes) for m in measured])
+    buffers = fit_line([(m.tokens, m.buffers) for m in measured])
+    budget = safety * limit - resident_buffers
+    safe = largest_safe_chunk(nodes, buffers, budget)
+    return {
+        "nodes_per_token": nodes.slope,
+        "buffers_per_token": buffers.slope,
+        "max_safe_prefill_tokens": safe,
+        "bounded": safe < UNBOUNDED_TOKENS,
+        "nodes_intercept": nodes.intercept,
+        "buffers_intercept": buffers.intercept,
+        "nodes_r2": nodes.r2,
+        "flat": nodes.flat,
+        "limit": limit,
+        "safety": safety,
+        "resident_buffers": resident_buffers,
+        "measurements": [dataclasses.asdict(m) for m in measured],
+        "skipped_lengths": skipped,
+    }
+
+
+# --------------------------------------------------------------------------- mlx_lm.server
+
+def adapt_server_prefill(target: Any, safe_tokens: int, user_step: int) -> int:
+    """Apply a safe prefill chunk size to mlx_lm.server (0.32) state; returns the size set:
+    ``min(user_step, safe_tokens)``, at least 1 (a step of 0 would never advance).
+
+    ``target`` is one of:
+
+    * the server's ``cli_args`` namespace, or an object with ``.cli_args`` (``ModelProvider``,
+      ``ResponseGenerator``): mlx-lm reads ``cli_args.prefill_step_size`` for each request served
+      alone (``stream_generate``) and when it makes a new ``BatchGenerator``;
+    * a live ``BatchGenerator``: it slices prompts by its own ``prefill_step_size`` and its
+      pending ``PromptProcessingBatch`` chunks by its own copy; both are set, so the next
+      chunk of a batch already running uses the new size.
+    """
+    for label, value in (("safe_tokens", safe_tokens), ("user_step", user_step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{label} must be an int >= 0, got {value!r}")
+    size = max(1, min(user_step, safe_tokens))
+    if hasattr(target, "_prompt_batch") and hasattr(target, "prefill_step_size"):
+        target.prefill_step_size = size
+        prompt_batch = getattr(target, "_prompt_batch", None)
+        if prompt_batch is not None and hasattr(prompt_batch, "prefill_step_size"):
+            prompt_batch.prefill_step_size = size
+        return size
+    args = getattr(target, "cli_args", target)
+    if not hasattr(args, "prefill_step_size"):
+        raise ValueError(f"{type(target).__name__} has no prefill_step_size (expected mlx_lm.server's "
+                         "cli_args, ModelProvider, ResponseGenerator or a BatchGenerator)")
+    args.prefill_step_size = size
+    return size
+
+
+class ServerPrefillAdapter:
+    """An ``on_safe_size`` callback for mlx_lm.server: lowers ``cli_args.prefill_step_size``
+    and the step size of every live ``BatchGenerator`` the server made (never above the user's
+    ``--prefill-step-size``).
+
+    mlx-lm keeps its ``BatchGenerator`` in a local variable of ``ResponseGenerator._generate``;
+    ``attach(server_module)`` swaps ``server_module.BatchGenerator`` for a subclass that
+    registers each instance here (``detach`` puts the original back)."""
+
+    def __init__(self, cli_args: Any, user_step: Optional[int] = None):
+        if not hasattr(cli_args, "prefill_step_size"):
+            raise ValueError(f"cli_args has no prefill_step_size: {cli_args!r}")
+        self.cli_args = cli_args
+        self.user_step = int(cli_args.prefill_step_size if user_step is None else user_step)
+        self.applied: Optional[int] = None
+        self._generators: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._patched: Optional[tuple[Any, Any]] = None
+
+    def attach(self, server_module: Any = None) -> "ServerPrefillAdapter":
+        if server_module is None:
+            import mlx_lm.server as server_module
+        original = getattr(server_module, "BatchGenerator", None)
+        if not isinstance(original, type):
+            raise ValueError(f"{server_module!r} has no BatchGenerator class to track")
+        adapter = self
+
+        class BatchGenerator(original):  # same name: logs and reprs stay mlx-lm's
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                adapter.track(self)
+
+        BatchGenerator.__qualname__ = original.__qualname__
+        BatchGenerator.__module__ = original.__module__
+        server_module.BatchGenerator = BatchGenerator
+        self._patched = (server_module, original)
+        return self
+
+    def detach(self) -> None:
+        patched, self._patched = self._patched, None
+        if patched is not None:
+            module, original = patched
+            module.BatchGenerator = original
+
+    def track(self, batch_generator: Any) -> None:
+        self._generators.add(batch_generator)
+        if self.applied is not None:
+            adapt_server_prefill(batch_generator, self.applied, self.user_step)
+
+    @property
+    def generators(self) -> list:
+        return list(self._generators)
+
+    def __call__(self, safe_tokens: int) -> int:
+        size = adapt_server_prefill(self.cli_args, int(safe_tokens), self.user_step)
+        for generator in list(self._generators):
+            adapt_server_prefill(generator, int(safe_tokens), self.user_step)
+        if size != self.applied:
+            logger.info("mlx-watchdog: prefill step size -> %d tokens (safe size %d, configured %d)",
+                        size, safe_tokens, self.user_step)
+        self.applied = size
+        return size
