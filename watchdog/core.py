@@ -173,6 +173,7 @@ class Watchdog:
         self._started: Optional[float] = None
         self._walk_seconds = 0.0
         self._last_walk_cost = 0.0
+        self._budget_spent = 0.0  # CPU seconds of observe(), what the walk budget is charged
         self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
         self._root_key: Optional[tuple] = None
         self._paths: Optional[list[tuple]] = None
@@ -211,7 +212,7 @@ class Watchdog:
         beside a running batch (``BatchGenerator``) does not start a new series.
 
         Never raises, except :class:`ResourceLimitForecast` when ``stop_within`` says so."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         try:
             self._observe(roots, last_output, prefill, start)
         except ResourceLimitForecast:
@@ -220,6 +221,7 @@ class Watchdog:
             self._internal_error("observe", exc)
         finally:
             self.overhead_seconds += time.perf_counter() - start
+            self._budget_spent += time.thread_time() - cpu_start
 
     def forecast(self) -> fc.Forecast:
         """The current forecast (thread-safe; cheap: no graph walk)."""
@@ -299,14 +301,16 @@ class Watchdog:
 
     def _walk_due(self, now: float) -> bool:
         # Each series (a new decode) starts with a small credit so its first steps are measured
-        # densely; then everything the watchdog spends counts, not only walks.
+        # densely; then everything observe() spends counts, not only walks. Spent is CPU time of
+        # the observing thread: on a busy machine, time waiting for a core (or for the GIL held
+        # by a server's other threads) is not the watchdog's work and must not starve the walks.
         elapsed = now - (self._series_started or now)
         allowed = self.overhead_budget * elapsed + WALK_CREDIT_SECONDS
-        spent = self.overhead_seconds - self._series_overhead
+        spent = self._budget_spent - self._series_budget_spent
         return spent + self._last_walk_cost <= allowed
 
     def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[Found]:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
         self._empty_walks = 0 if result.found else self._empty_walks + 1
         if self._empty_walks == 3:  # a fresh cache is empty on its first step; three in a row is not
@@ -353,9 +357,8 @@ class Watchdog:
             self._retained = reading.retained_buffers
             self._pending_nodes = reading.pending_nodes
             self.walks += 1
-        cost = time.perf_counter() - t0
-        self._walk_seconds += cost
-        self._last_walk_cost = cost
+        self._walk_seconds += time.perf_counter() - t0
+        self._last_walk_cost = time.thread_time() - cpu0
         if self.on_forecast is not None:
             try:
                 self.on_forecast(self.forecast())
@@ -448,7 +451,7 @@ class Watchdog:
         self._probe: Optional[tuple] = None
         self._empty_walks = 0
         self._series_started = time.perf_counter() if self._started is not None else None
-        self._series_overhead = self.overhead_seconds
+        self._series_budget_spent = self._budget_spent
         self._last_walk_cost = 0.0
 
     def _update_leaks(self) -> None:

@@ -1,0 +1,447 @@
+"""Tests of ``mlx-watchdog serve`` (mlx_watchdog.serve): the real mlx_lm.server, watched.
+
+The end-to-end tests start ``python -m mlx_watchdog.serve`` on free loopback ports with a tiny
+random-weight hybrid model (qwen3_next, 8 layers: 6 linear-attention layers) written by the test,
+talk to it with the ``openai`` client as users do, and read the metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from queue import Queue
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlx_watchdog import serve, tiny
+from mlx_watchdog.core import ResourceLimitForecast, live_watchdogs
+from mlx_watchdog.forecast import Forecast
+
+LAYERS = 8
+NO_EOS = {str(tiny.EOS_ID): -100}  # a random model may say EOS anywhere: keep completions long
+# The watchdog times itself in wall time: on a busy 2-core machine (other tests, the HTTP threads)
+# that inflates and its walks thin out. A larger budget keeps the measurement dense here; the
+# budget itself is core's business (tests/test_core.py).
+BUDGET = ("--overhead-budget", "0.25")
+STARTUP_SECONDS = 120
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _linear_layers(model_dir: Path) -> int:
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    interval = config["full_attention_interval"]
+    return sum(1 for i in range(config["num_hidden_layers"]) if (i + 1) % interval != 0)
+
+
+def _wait_healthy(url: str, process, log) -> None:
+    deadline = time.monotonic() + STARTUP_SECONDS
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            pytest.fail(f"server exited with {process.returncode} before it was up:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"server not healthy after {STARTUP_SECONDS} s:\n{log.read_text()[-4000:] if log else ''}")
+
+
+def scrape(url: str) -> dict[tuple, float]:
+    """{(sample name, frozenset of labels): value} of a /metrics page."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    matches = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
+    assert len(matches) == 1, f"{name}{labels}: {len(matches)} samples in {sorted(k[0] for k in samples)}"
+    return matches[0]
+
+
+class Served:
+    """A running ``python -m mlx_watchdog.serve`` subprocess on free loopback ports."""
+
+    def __init__(self, model_dir: Path, workdir: Path, watchdog_args: list[str], cli: bool = False):
+        self.port, self.metrics_port = _free_port(), _free_port()
+        self.log = workdir / f"serve-{self.port}.log"
+        # cli: the user's command, `mlx-watchdog serve` (its module, so no console script is needed)
+        entry = ["mlx_watchdog.cli", "serve"] if cli else ["mlx_watchdog.serve"]
+        command = [sys.executable, "-m", *entry, "--metrics-port", str(self.metrics_port),
+                   *watchdog_args, "--", "--model", str(model_dir), "--port", str(self.port),
+                   "--host", "127.0.0.1", "--prompt-cache-size", "2"]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        _wait_healthy(self.base + "/health", self.process, self.log)
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stream(self, prompt: str, max_tokens: int) -> dict:
+        """Stream a text completion; returns its text, chunk count and last finish_reason."""
+        text, chunks, finish = "", 0, None
+        stream = self.client.completions.create(model="default_model", prompt=prompt, max_tokens=max_tokens,
+                                                stream=True, logit_bias=NO_EOS)
+        for chunk in stream:
+            chunks += 1
+            choice = chunk.choices[0]
+            text += choice.text or ""
+            finish = choice.finish_reason or finish
+        return {"text": text, "chunks": chunks, "finish_reason": finish}
+
+    def metrics(self) -> dict:
+        return scrape(self.metrics_url)
+
+    def healthy(self) -> bool:
+        with urllib.request.urlopen(self.base + "/health", timeout=5) as response:
+            return response.status == 200
+
+    def stop(self) -> int:
+        """SIGTERM (the server shuts down like on Ctrl-C); SIGKILL if it does not exit."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        return self.process.returncode
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny.save_model_dir(tmp_path_factory.mktemp("model") / "tiny-qwen3-next", "qwen3_next", layers=LAYERS)
+
+
+@pytest.fixture
+def start_server(model_dir, tmp_path):
+    started: list[Served] = []
+
+    def start(*watchdog_args: str, cli: bool = False) -> Served:
+        served = Served(model_dir, tmp_path, list(watchdog_args), cli=cli)
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        served.stop()
+
+
+# --------------------------------------------------------------------------- end to end
+
+PROMPT = "The watchdog counts buffers"
+LONG = 256
+
+
+def test_leak_counted_without_fix_and_flat_with_fix(start_server, model_dir):
+    expected = _linear_layers(model_dir) - 1  # 6 linear-attention layers: 5 buffers per step
+
+    plain = start_server(*BUDGET)
+    leaked = plain.stream(PROMPT, LONG)
+    assert leaked["finish_reason"] == "length" and leaked["chunks"] > LONG // 4, leaked
+    m = plain.metrics()
+    assert metric(m, "mlx_watchdog_steps_total", watchdog="tiny-qwen3-next") >= LONG
+    assert metric(m, "mlx_watchdog_buffers_per_step") == pytest.approx(expected, abs=0.5)
+    assert metric(m, "mlx_watchdog_leak_buffers_per_step",
+                  site="ArraysCache.left_padding") == pytest.approx(expected, abs=0.5)
+    assert metric(m, "mlx_watchdog_steps_to_limit") < float("inf")
+    assert metric(m, "mlx_watchdog_info", fix="false") == 1
+    assert metric(m, "mlx_watchdog_stops_total", reason="forecast") == 0
+    leaked_resident = metric(m, "mlx_watchdog_resident_buffers")
+    assert plain.stop() == 0, plain.output()[-3000:]
+
+    fixed = start_server("--fix", *BUDGET)
+    flat = fixed.stream(PROMPT, LONG)
+    assert flat["text"] == leaked["text"]  # the fix changes no token
+    m = fixed.metrics()
+    assert metric(m, "mlx_watchdog_steps_total") >= LONG
+    assert metric(m, "mlx_watchdog_buffers_per_step") < 0.5
+    assert metric(m, "mlx_watchdog_steps_to_limit") == float("inf")
+    assert metric(m, "mlx_watchdog_materialized_arrays_total") > 0
+    assert metric(m, "mlx_watchdog_reclaimed_buffers_total") > 0
+    assert metric(m, "mlx_watchdog_info", fix="true") == 1
+    # Flat: what stays resident after LONG steps is far below what leaked without the fix.
+    assert metric(m, "mlx_watchdog_resident_buffers") < leaked_resident - 0.5 * expected * LONG
+
+
+def test_stop_ends_the_requests_and_the_server_goes_on(start_server):
+    # ~130 parameter buffers + 5 per step: the forecast reaches 1200 - 5 * 50 after ~160 steps.
+    served = start_server("--limit", "1200", "--stop-within", "50", *BUDGET, cli=True)
+    stopped = served.stream(PROMPT, 600)
+    assert stopped["finish_reason"] == serve.STOP_FINISH_REASON, (stopped["chunks"], served.output()[-2000:])
+    assert 0 < stopped["chunks"] < 600 and stopped["text"]
+
+    m = served.metrics()
+    assert metric(m, "mlx_watchdog_stops_total", reason="forecast") == 1
+    assert served.healthy()
+    assert "leak sites: ArraysCache.left_padding" in served.output()  # the server log says why
+
+    # A later request is served in full, streamed and not streamed, on a fresh batch.
+    later = served.stream(PROMPT, 16)
+    assert later["finish_reason"] == "length" and later["text"], later
+    whole = served.client.completions.create(model="default_model", prompt="again", max_tokens=8,
+                                             logit_bias=NO_EOS)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
+    chat = served.client.chat.completions.create(model="default_model", max_tokens=8,
+                                                 messages=[{"role": "user", "content": "hi"}])
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert "generation thread died" not in served.output()
+    assert served.stop() == 0, served.output()[-3000:]
+
+
+def test_stop_on_the_unbatched_path(start_server):
+    # A seeded request is served alone (mlx-lm's _serve_single, stream_generate); a limit below
+    # the parameters' buffers makes its first forward pass stop.
+    served = start_server("--limit", "10", "--stop-within", "0")
+    for _ in range(2):
+        stream = served.client.completions.create(model="default_model", prompt=PROMPT, max_tokens=32,
+                                                  stream=True, seed=1)
+        finish = [c.choices[0].finish_reason for c in stream if c.choices[0].finish_reason]
+        assert finish == [serve.STOP_FINISH_REASON]
+        whole = served.client.completions.create(model="default_model", prompt=PROMPT, max_tokens=32,
+                                                 seed=1)
+        assert whole.choices[0].finish_reason == serve.STOP_FINISH_REASON and whole.choices[0].text == ""
+        assert served.healthy()
+    assert metric(served.metrics(), "mlx_watchdog_stops_total", reason="forecast") >= 4
+
+
+# --------------------------------------------------------------------------- arguments
+
+def test_split_and_parse():
+    args, server_argv = serve.parse_args(
+        ["--fix", "--fix-every", "3", "--limit", "4000", "--warn-within", "500", "--stop-within", "100",
+         "--metrics-port", "0", "--metrics-addr", "::1", "--adapt-prefill", "--overhead-budget", "0.5",
+         "--", "--model", "m", "--port", "8", "--", "x"])
+    assert server_argv == ["--model", "m", "--port", "8", "--", "x"]
+    assert (args.fix, args.fix_every, args.limit, args.warn_within, args.stop_within) == (True, 3, 4000, 500.0, 100.0)
+    assert (args.metrics_port, args.metrics_addr, args.no_metrics, args.adapt_prefill) == (0, "::1", False, True)
+    assert serve.watchdog_options(args) == {"limit": 4000, "fix": True, "fix_every": 3,
+                                            "warn_within": 500.0, "stop_within": 100.0, "overhead_budget": 0.5}
+
+    args, server_argv = serve.parse_args(["--no-fix", "--no-metrics"])
+    assert server_argv == [] and args.fix is False and args.no_metrics is True
+    defaults, _ = serve.parse_args([])
+    assert defaults.metrics_port == 9464 and defaults.metrics_addr == "127.0.0.1"
+    assert defaults.limit is None and defaults.stop_within is None and defaults.fix is False
+    assert defaults.overhead_budget == 0.01 and defaults.adapt_prefill is False
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--limit", "0"], "--limit"),
+    (["--limit", "lots"], "--limit"),
+    (["--fix-every", "-2"], "--fix-every"),
+    (["--stop-within", "-1"], "--stop-within"),
+    (["--warn-within", "nan"], "--warn-within"),
+    (["--metrics-port", "70000"], "--metrics-port"),
+    (["--overhead-budget", "0"], "--overhead-budget"),
+    (["--model", "m"], "after `--`"),
+])
+def test_bad_arguments_name_the_option(argv, option, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        serve.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and argv[-1] in err
+
+
+def test_bad_namespace_values_raise_value_error():
+    good = vars(serve.parse_args([])[0])
+    for option, value in (("limit", -5), ("fix_every", 0), ("stop_within", -1.0), ("metrics_port", 99999),
+                          ("overhead_budget", 2.0)):
+        args = argparse.Namespace(**dict(good, **{option: value}))
+        with pytest.raises(ValueError, match="--" + option.replace("_", "-")):
+            serve.watchdog_options(args)
+    assert serve.main(["--limit", "0"]) == 2
+
+
+def test_main_reports_a_busy_metrics_port(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert serve.main(["--metrics-port", str(port), "--", "--model", "unused"]) == 1
+    err = capsys.readouterr().err
+    assert str(port) in err and "--no-metrics" in err
+
+
+# --------------------------------------------------------------------------- attach / detach
+
+def _hooked():
+    import mlx_lm.server as server
+
+    return {(c, m): getattr(server, c).__dict__[m] for c, m in serve._HOOK_POINTS}
+
+
+def test_attach_detach_is_symmetric():
+    before = _hooked()
+    hooks = serve.ServerHooks({"fix": True})
+    with hooks:
+        during = _hooked()
+        assert all(during[k] is not before[k] for k in before)
+        assert all(during[k].__name__ == before[k].__name__ for k in before)
+        with pytest.raises(RuntimeError, match="already attached"):
+            hooks.attach()
+    assert _hooked() == before and all(_hooked()[k] is before[k] for k in before)
+    hooks.attach()  # attach again after a detach
+    hooks.detach()
+    assert all(_hooked()[k] is before[k] for k in before)
+
+
+def test_run_detaches_when_the_server_parser_exits(capsys):
+    before = _hooked()
+    argv = list(sys.argv)
+    args, _ = serve.parse_args(["--no-metrics"])
+    assert serve.run(args, ["--no-such-option"]) == 2
+    assert "--no-such-option" in capsys.readouterr().err
+    assert all(_hooked()[k] is before[k] for k in before)
+    assert sys.argv == argv
+
+
+def test_run_in_process_watches_and_restores(model_dir, tmp_path):
+    """run() in this process: the loaded model is watched while the server runs; after SIGTERM
+    run() returns 0 and mlx_lm.server's functions, sys.argv and the signal handler are back."""
+    before = _hooked()
+    argv, handler = list(sys.argv), signal.getsignal(signal.SIGTERM)
+    port, metrics_port = _free_port(), _free_port()
+    seen: dict = {}
+
+    def client():
+        try:
+            _wait_healthy(f"http://127.0.0.1:{port}/health", None, None)
+            c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            seen["finish"] = c.completions.create(model="default_model", prompt=PROMPT,
+                                                  max_tokens=8).choices[0].finish_reason
+            seen["watchdogs"] = [wd.name for wd in live_watchdogs()]
+            samples = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
+            seen["steps"] = metric(samples, "mlx_watchdog_steps_total", watchdog="tiny-qwen3-next")
+            seen["prefill_nodes"] = metric(samples, "mlx_watchdog_prefill_graph_nodes")
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    args, _ = serve.parse_args(["--metrics-port", str(metrics_port), "--adapt-prefill"])
+    thread = threading.Thread(target=client)
+    thread.start()
+    code = serve.run(args, ["--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1"])
+    thread.join(30)
+    assert code == 0
+    assert seen["finish"] == "length" and "tiny-qwen3-next" in seen["watchdogs"] and seen["steps"] >= 8
+    assert seen["prefill_nodes"] > 0  # --adapt-prefill installed the prefill guard on the loaded model
+    assert all(_hooked()[k] is before[k] for k in before)
+    assert sys.argv == argv and signal.getsignal(signal.SIGTERM) == handler
+    assert "tiny-qwen3-next" not in [wd.name for wd in live_watchdogs()]
+    with socket.socket() as sock:  # nothing listens on the metrics port any more
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT of the scrape is fine
+        sock.bind(("127.0.0.1", metrics_port))
+        sock.listen()
+
+
+def test_adapt_prefill_sets_the_server_prefill_step(monkeypatch):
+    from mlx_watchdog import prefill
+    from mlx_watchdog.core import Watchdog
+
+    calls = []
+    monkeypatch.setattr(prefill, "install", lambda wd, model, on_safe_size: calls.append((wd, model, on_safe_size)))
+    hooks = serve.ServerHooks({}, adapt_prefill=True)
+    provider = argparse.Namespace(cli_args=argparse.Namespace(prefill_step_size=2048))
+    watchdog, model = Watchdog(export=False), object()
+    hooks._install_prefill(watchdog, model, provider)
+    (wd, got_model, on_safe_size), = calls
+    assert wd is watchdog and got_model is model
+    on_safe_size(300)
+    assert provider.cli_args.prefill_step_size == 300
+    on_safe_size(1 << 20)  # never above what the user asked for
+    assert provider.cli_args.prefill_step_size == 2048
+    on_safe_size(0)
+    assert provider.cli_args.prefill_step_size == 1
+
+
+# --------------------------------------------------------------------------- stop bookkeeping
+
+class _FakeGenerator:
+    def __init__(self):
+        self.requests = Queue()
+
+
+def test_batch_stop_ends_started_requests_and_requeues_waiting_ones():
+    import mlx_lm.server as server
+
+    hooks = serve.ServerHooks({})
+    generator = _FakeGenerator()
+    queues = [Queue() for _ in range(4)]
+    channels = []
+    for q in queues:
+        channel = serve._Channel(hooks, q, (q, f"request-{len(channels)}", "args"))
+        hooks._track(generator, channel)
+        channels.append(channel)
+    context = server.GenerationContext(False, False, None, None, "normal", [1, 2])
+    channels[0].put(context)  # started, streamed one token
+    channels[0].put(server.Response("a", 97, -0.5, None, ()))
+    channels[1].put(server.GenerationContext(False, False, None, None, "normal", [1]))
+    channels[1].put(None)  # finished normally
+    # channels[2] and [3] were taken but had not started (e.g. waiting to join a batch)
+    forecast = Forecast(step=9, resident_buffers=95, limit=100, buffers_per_step=5.0,
+                        steps_to_limit=1.0, seconds_to_limit=0.1)
+    hooks._after_batch_stop(generator, ResourceLimitForecast(forecast))
+
+    got = [queues[0].get_nowait() for _ in range(queues[0].qsize())]
+    assert got[0] is context and got[1].text == "a"
+    assert got[2].finish_reason == serve.STOP_FINISH_REASON and got[2].text == "" and got[3] is None
+    assert queues[1].qsize() == 2  # untouched: it had ended
+    assert queues[2].empty() and queues[3].empty()
+    requeued = [generator.requests.get_nowait() for _ in range(generator.requests.qsize())]
+    assert requeued == [(queues[2], "request-2", "args"), (queues[3], "request-3", "args")]
+    assert hooks._channels == {}
+
+
+def test_a_stop_put_on_the_queue_becomes_the_final_chunk():
+    # mlx-lm's unbatched path puts any exception on the response queue.
+    import mlx_lm.server as server
+
+    hooks = serve.ServerHooks({})
+    queue = Queue()
+    channel = serve._Channel(hooks, queue, (queue, None, None))
+    channel.put(server.GenerationContext(False, False, None, None, "normal", [1]))
+    forecast = Forecast(step=1, resident_buffers=200, limit=100, buffers_per_step=0.0,
+                        steps_to_limit=0.0, seconds_to_limit=0.0)
+    channel.put(ResourceLimitForecast(forecast))
+    channel.put(ValueError("after the end"))  # forwarded as is: the handler stopped reading
+    items = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert items[1].finish_reason == serve.STOP_FINISH_REASON and items[2] is None
+    assert channel.finished and not channel.stop(ResourceLimitForecast(forecast))
+    # Not started: the handler gets an error it answers with {"error": ...}.
+    queue = Queue()
+    channel = serve._Channel(hooks, queue, (queue, None, None))
+    channel.put(ResourceLimitForecast(forecast))
+    error = queue.get_nowait()
+    assert isinstance(error, RuntimeError) and "resource limit" in str(error)
