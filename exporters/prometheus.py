@@ -1,0 +1,560 @@
+"""Prometheus exporter: the watchdogs' readings as metrics, built at scrape time.
+
+    from mlx_watchdog.exporters.prometheus import start_metrics_server
+    server = start_metrics_server(9464)          # http://127.0.0.1:9464/metrics
+
+The exporter follows prometheus_client's custom-collector pattern: nothing runs on the decode
+thread. Each scrape (on the HTTP server's thread) calls ``Watchdog.forecast()``, which holds the
+watchdog's lock for a few microseconds, and reads its plain counters.
+
+Every series carries a ``watchdog`` label (``Watchdog(name=...)``, else the model's type, else
+``default``) and, in a distributed job (``world_size > 1``), a ``rank`` label.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import importlib.metadata
+import logging
+import numbers
+import os
+import socket
+import ssl
+import threading
+import weakref
+from typing import Iterable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import REGISTRY, CollectorRegistry
+
+from .. import __version__
+from ..core import Watchdog, live_watchdogs
+from ..limits import device_name
+
+logger = logging.getLogger("mlx_watchdog")
+
+DEFAULT_PORT = 9464  # the port OpenTelemetry's Prometheus exporter uses by default
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    name: str  # family name, without the counter's "_total"
+    kind: str  # "gauge" or "counter"
+    help: str
+    labels: tuple[str, ...] = ()  # labels besides watchdog/rank
+    unit: str = ""  # OpenMetrics UNIT metadata; the name already ends with it
+
+    @property
+    def sample_name(self) -> str:
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+# The names are a contract: the Grafana dashboard and the alert rules query them.
+_SPECS = (
+    _Spec("mlx_watchdog_resident_buffers", "gauge",
+          "Buffers (device allocations held by MLX arrays) estimated alive now: model parameters, "
+          "cache arrays and the buffers that pending lazy graphs keep alive."),
+    _Spec("mlx_watchdog_resource_limit_buffers", "gauge",
+          "The buffer limit the forecast counts against (Metal's resource_limit; 499000 where the "
+          "device reports none). A process that allocates past it crashes."),
+    _Spec("mlx_watchdog_buffers_per_step", "gauge",
+          "Net growth of resident buffers per decode step; 0 when flat, above 0 means a leak."),
+    _Spec("mlx_watchdog_steps_to_limit", "gauge",
+          "Decode steps left until resident buffers reach the limit at the current growth "
+          "(+Inf when not growing)."),
+    _Spec("mlx_watchdog_seconds_to_limit", "gauge",
+          "Seconds left until resident buffers reach the limit at the current growth and step rate "
+          "(+Inf when not growing or not stepping)."),
+    _Spec("mlx_watchdog_pending_graph_nodes", "gauge",
+          "Unevaluated (lazy) graph nodes hanging off the watched cache at the last measurement."),
+    _Spec("mlx_watchdog_leak_buffers_per_step", "gauge",
+          "Buffers per decode step added by one leaking site; site is the class and attribute "
+          "that holds them, e.g. ArraysCache.left_padding.", ("site",)),
+    _Spec("mlx_watchdog_step_rate", "gauge",
+          "Observed decode steps per second."),
+    _Spec("mlx_watchdog_prefill_graph_nodes", "gauge",
+          "Lazy graph nodes of the last multi-token (prefill) forward pass."),
+    _Spec("mlx_watchdog_max_safe_prefill_tokens", "gauge",
+          "Largest prefill chunk in tokens whose lazy graph stays within the buffer limit."),
+    _Spec("mlx_watchdog_memory_active_bytes", "gauge",
+          "Memory in bytes held by live MLX arrays (mx.get_active_memory); process-wide, the same "
+          "value on every watchdog of the process.", unit="bytes"),
+    _Spec("mlx_watchdog_memory_peak_bytes", "gauge",
+          "Highest MLX active memory in bytes since the process started or the peak was reset "
+          "(mx.get_peak_memory); process-wide.", unit="bytes"),
+    _Spec("mlx_watchdog_memory_cache_bytes", "gauge",
+          "Memory in bytes MLX keeps cached for reuse, not held by arrays (mx.get_cache_memory); "
+          "process-wide.", unit="bytes"),
+    _Spec("mlx_watchdog_memory_limit_bytes", "gauge",
+          "MLX's memory limit in bytes (mx.get_memory_limit); process-wide.", unit="bytes"),
+    _Spec("mlx_watchdog_process_resident_memory_bytes", "gauge",
+          "Resident set size of the process in bytes (psutil; works on macOS and Linux).",
+          unit="bytes"),
+    _Spec("mlx_watchdog_info", "gauge",
+          "Always 1; the labels say which versions, device and fix mode the watchdog runs with.",
+          ("version", "mlx_version", "mlx_lm_version", "device", "fix")),
+    _Spec("mlx_watchdog_steps", "counter",
+          "Decode steps the watchdog observed."),
+    _Spec("mlx_watchdog_materialized_arrays", "counter",
+          "Pending cache arrays the fix scheduled for evaluation (Watchdog(fix=True))."),
+    _Spec("mlx_watchdog_reclaimed_buffers", "counter",
+          "Buffers the fix kept from accumulating (the growth it cut, summed over steps)."),
+    _Spec("mlx_watchdog_stops", "counter",
+          "Generations the watchdog stopped before the limit, by reason.", ("reason",)),
+    _Spec("mlx_watchdog_overhead_seconds", "counter",
+          "Seconds the watchdog spent on the decode thread (observe calls).", unit="seconds"),
+    _Spec("mlx_watchdog_internal_errors", "counter",
+          "Errors inside the watchdog or this exporter that were caught; the decode went on."),
+)
+
+_STOP_REASONS = ("forecast",)  # exported at 0 before the first stop, so rate() works at once
+
+# Process-wide readings: (spec name, reader). Each is guarded on its own at scrape time.
+_MEMORY_READERS = (
+    ("mlx_watchdog_memory_active_bytes", lambda: mx.get_active_memory()),
+    ("mlx_watchdog_memory_peak_bytes", lambda: mx.get_peak_memory()),
+    ("mlx_watchdog_memory_cache_bytes", lambda: mx.get_cache_memory()),
+    ("mlx_watchdog_memory_limit_bytes", lambda: mx.get_memory_limit()),
+    ("mlx_watchdog_process_resident_memory_bytes", lambda: _process().memory_info().rss),
+)
+
+
+def exposed_metric_names() -> set[str]:
+    """The sample names this exporter can expose (counters with their ``_total``)."""
+    return {spec.sample_name for spec in _SPECS}
+
+
+# --------------------------------------------------------------------------- the collector
+
+class WatchdogCollector:
+    """A prometheus_client collector: ``collect()`` builds the metric families from the
+    watchdogs' state when Prometheus scrapes.
+
+    ``watchdogs=None`` exports every live watchdog created with ``export=True`` (looked up at each
+    scrape); a sequence exports exactly those. Two watchdogs with the same name and rank would
+    produce duplicate series, so a later one is exported as ``name-2``, ``name-3`` (with a
+    warning); name your watchdogs ``Watchdog(name=...)`` to choose."""
+
+    def __init__(self, watchdogs: Optional[Sequence[Watchdog]] = None):
+        if watchdogs is not None:
+            watchdogs = list(watchdogs)
+            for wd in watchdogs:
+                if not isinstance(wd, Watchdog):
+                    raise ValueError(f"WatchdogCollector takes Watchdog objects, got {type(wd).__name__}")
+        self._watchdogs = watchdogs
+        self._lock = threading.Lock()  # scrapes may run on several server threads at once
+        # watchdog -> (its name, its label) as last exported; entries go with the watchdogs
+        self._labels: "weakref.WeakKeyDictionary[Watchdog, tuple[str, str]]" = weakref.WeakKeyDictionary()
+        self._static: Optional[dict[str, str]] = None
+
+    def describe(self) -> list:
+        # The names are fixed even though the watchdogs are not: the registry can check clashes.
+        return [_family(spec, ()) for spec in _SPECS]
+
+    def collect(self) -> Iterator:
+        watchdogs = list(dict.fromkeys(self._current_watchdogs()))  # each once
+        label_of = self._assign_labels(watchdogs)
+        with_rank = any(_world_size(wd) > 1 for wd in watchdogs)
+        base = ("watchdog", "rank") if with_rank else ("watchdog",)
+        families = {spec.name: _family(spec, base) for spec in _SPECS}
+        memory = _read_memory() if watchdogs else {}
+        static = self._static_labels() if watchdogs else {}
+        for wd in watchdogs:
+            try:
+                rows = self._rows(wd, label_of[wd], with_rank, memory, static)
+            except Exception as exc:  # one broken watchdog must not break the scrape
+                _count_error(wd, exc)
+                continue
+            for name, labels, value in rows:
+                families[name].add_metric(labels, value)
+        yield from families.values()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _current_watchdogs(self) -> list[Watchdog]:
+        if self._watchdogs is not None:
+            return list(self._watchdogs)
+        try:
+            return live_watchdogs()
+        except Exception as exc:
+            logger.warning("mlx-watchdog exporter: cannot list the live watchdogs: %r", exc)
+            return []
+
+    def _rows(self, wd: Watchdog, label: str, with_rank: bool, memory: dict, static: dict) -> list[tuple]:
+        """All samples of one watchdog, built before any is added (all or none)."""
+        f = wd.forecast()
+        base = (label,) + ((str(wd.rank),) if with_rank else ())  # this process, not a worst rank
+        rows = [
+            ("mlx_watchdog_resident_buffers", base, f.resident_buffers),
+            ("mlx_watchdog_resource_limit_buffers", base, f.limit),
+            ("mlx_watchdog_buffers_per_step", base, f.buffers_per_step),
+            ("mlx_watchdog_steps_to_limit", base, f.steps_to_limit),
+            ("mlx_watchdog_seconds_to_limit", base, f.seconds_to_limit),
+            ("mlx_watchdog_pending_graph_nodes", base, f.pending_graph_nodes),
+            ("mlx_watchdog_step_rate", base, f.step_rate),
+        ]
+        rows += [("mlx_watchdog_leak_buffers_per_step", base + (leak.site,), leak.buffers_per_step)
+                 for leak in f.leaks]
+        for name, value in (("mlx_watchdog_prefill_graph_nodes", f.prefill_graph_nodes),
+                            ("mlx_watchdog_max_safe_prefill_tokens", f.max_safe_prefill_tokens)):
+            if value is not None:
+                rows.append((name, base, value))
+        rows += [(name, base, value) for name, value in memory.items()]
+        info = (static["version"], static["mlx_version"], static["mlx_lm_version"], static["device"],
+                "true" if wd.fix else "false")
+        rows.append(("mlx_watchdog_info", base + info, 1))
+        rows += [
+            ("mlx_watchdog_steps", base, wd.steps),
+            ("mlx_watchdog_materialized_arrays", base, wd.materialized_arrays),
+            ("mlx_watchdog_reclaimed_buffers", base, wd.reclaimed_buffers),
+            ("mlx_watchdog_overhead_seconds", base, wd.overhead_seconds),
+            ("mlx_watchdog_internal_errors", base, wd.internal_errors),
+        ]
+        stops = dict.fromkeys(_STOP_REASONS, 0)
+        stops.update(_copy_counter(wd.stops))
+        rows += [("mlx_watchdog_stops", base + (str(reason),), n) for reason, n in sorted(stops.items())]
+        for name, _, value in rows:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise ValueError(f"{name}: not a number: {value!r}")
+        return [(name, labels, float(value)) for name, labels, value in rows]
+
+    def _assign_labels(self, watchdogs: list[Watchdog]) -> dict[Watchdog, str]:
+        """The ``watchdog`` label of each: its name, made unique among this scrape's watchdogs of
+        the same rank. A watchdog keeps the label it had while its name stays the same, so its
+        series do not change identity between scrapes."""
+        with self._lock:
+            labels, used, fresh = {}, set(), []
+            for wd in watchdogs:
+                name, rank = _name_and_rank(wd)
+                known = self._labels.get(wd)
+                if known is not None and known[0] == name and (known[1], rank) not in used:
+                    labels[wd] = known[1]
+                    used.add((known[1], rank))
+                else:
+                    fresh.append(wd)
+            for wd in fresh:
+                name, rank = _name_and_rank(wd)
+                label, n = name, 1
+                while (label, rank) in used:
+                    n += 1
+                    label = f"{name}-{n}"
+                if label != name:
+                    logger.warning("mlx-watchdog exporter: two watchdogs are named %r; exporting %r as "
+                                   "watchdog=%r (set Watchdog(name=...) to choose)", name, wd, label)
+                labels[wd] = label
+                used.add((label, rank))
+                self._labels[wd] = (name, label)
+            return labels
+
+    def _static_labels(self) -> dict[str, str]:
+        if self._static is None:  # versions and device do not change while the process runs
+            try:
+                device = device_name()
+            except Exception:
+                device = "unknown"
+            self._static = {
+                "version": __version__,
+                "mlx_version": str(getattr(mx, "__version__", "unknown")),
+                "mlx_lm_version": _package_version("mlx-lm"),
+                "device": device,
+            }
+        return self._static
+
+
+def _name_and_rank(wd: Watchdog) -> tuple[str, int]:
+    return str(wd.name), (wd.rank if _world_size(wd) > 1 else 0)
+
+
+def _family(spec: _Spec, base: tuple[str, ...]):
+    labels = list(base) + list(spec.labels)
+    cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+    return cls(spec.name, spec.help, labels=labels, unit=spec.unit)
+
+
+def _world_size(wd: Watchdog) -> int:
+    try:
+        return int(wd.world_size)
+    except Exception:
+        return 1
+
+
+def _copy_counter(counter) -> dict:
+    # The decode thread may add a reason while we copy; a copy of a dict is atomic under the GIL,
+    # retry for interpreters where it is not.
+    for _ in range(3):
+        try:
+            return dict(counter)
+        except RuntimeError:
+            continue
+    return dict(counter)
+
+
+def _count_error(wd: Watchdog, exc: Exception) -> None:
+    counted = getattr(wd, "_internal_error", None)
+    try:
+        if callable(counted):
+            counted("prometheus exporter", exc)  # counts under the watchdog's lock and logs
+        else:
+            wd.internal_errors += 1
+    except Exception:
+        logger.warning("mlx-watchdog exporter: skipped watchdog %r: %r", wd, exc)
+
+
+_process_handle: Optional[tuple[int, object]] = None
+
+
+def _process():
+    global _process_handle
+    import psutil
+
+    pid = os.getpid()  # a forked child needs its own handle
+    if _process_handle is None or _process_handle[0] != pid:
+        _process_handle = (pid, psutil.Process(pid))
+    return _process_handle[1]
+
+
+def _read_memory() -> dict[str, float]:
+    readings = {}
+    for name, read in _MEMORY_READERS:
+        try:
+            readings[name] = float(read())
+        except Exception as exc:  # a backend without the call: leave the sample out
+            logger.debug("mlx-watchdog exporter: %s unavailable: %r", name, exc)
+    return readings
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except Exception:
+        return "unknown"
+
+
+# --------------------------------------------------------------------------- registries
+
+_registered: "weakref.WeakKeyDictionary[CollectorRegistry, WatchdogCollector]" = weakref.WeakKeyDictionary()
+_register_lock = threading.Lock()
+
+
+def register_collector(registry: Optional[CollectorRegistry] = None) -> WatchdogCollector:
+    """Register one :class:`WatchdogCollector` (every live watchdog) on ``registry`` (default:
+    prometheus_client's global ``REGISTRY``), once; later calls return the same collector."""
+    registry = REGISTRY if registry is None else registry
+    if not hasattr(registry, "register"):
+        raise ValueError(f"registry must be a prometheus_client CollectorRegistry, got {type(registry).__name__}")
+    with _register_lock:
+        collector = _registered.get(registry)
+        if collector is None:
+            collector = WatchdogCollector()
+            try:
+                registry.register(collector)
+            except ValueError as exc:  # DuplicateTimeseries: the user registered one already
+                existing = getattr(registry, "_names_to_collectors", {}).get("mlx_watchdog_resident_buffers")
+                if not isinstance(existing, WatchdogCollector):
+                    raise ValueError(f"cannot register the mlx-watchdog collector: {exc}") from exc
+                collector = existing
+            _registered[registry] = collector
+        return collector
+
+
+def make_wsgi_app(registry: Optional[CollectorRegistry] = None, **options):
+    """A WSGI app serving the metrics (prometheus_client's), with the collector registered.
+    Mount it at ``/metrics`` in your own server. ``options`` go to prometheus_client."""
+    registry = REGISTRY if registry is None else registry
+    register_collector(registry)
+    return prometheus_client.make_wsgi_app(registry, **options)
+
+
+def make_asgi_app(registry: Optional[CollectorRegistry] = None, **options):
+    """An ASGI app serving the metrics (prometheus_client's), with the collector registered."""
+    registry = REGISTRY if registry is None else registry
+    register_collector(registry)
+    return prometheus_client.make_asgi_app(registry, **options)
+
+
+# --------------------------------------------------------------------------- the HTTP server
+
+@dataclasses.dataclass
+class MetricsServer:
+    """A running metrics server (prometheus_client's threaded WSGI server)."""
+
+    addr: str
+    port: int  # the bound port (the one picked when 0 was asked for)
+    server: object
+    thread: threading.Thread
+    registry: CollectorRegistry
+    tls: bool
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.addr}]" if ":" in self.addr else self.addr
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and free the port."""
+        with _servers_lock:
+            for key in [k for k, v in _servers.items() if v is self]:
+                del _servers[key]
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+    def __enter__(self) -> "MetricsServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_servers: dict[tuple[str, int], MetricsServer] = {}
+_servers_lock = threading.Lock()
+
+
+def start_metrics_server(
+    port: int = DEFAULT_PORT,
+    addr: str = "127.0.0.1",
+    *,
+    registry: Optional[CollectorRegistry] = None,
+    certfile: Optional[str] = None,
+    keyfile: Optional[str] = None,
+    client_cafile: Optional[str] = None,
+    client_capath: Optional[str] = None,
+    client_auth_required: bool = False,
+) -> MetricsServer:
+    """Serve ``/metrics`` for every live watchdog on ``addr:port`` from a daemon thread.
+
+    Once per process: a second call with the same ``addr`` and ``port`` returns the running
+    server. ``port=0`` picks a free port (``.port`` tells which). Loopback by default; pass
+    ``addr="0.0.0.0"`` to serve other machines. ``certfile``/``keyfile`` serve HTTPS;
+    ``client_cafile``/``client_capath`` with ``client_auth_required=True`` also demand a client
+    certificate signed by that CA (mutual TLS).
+
+    Raises ``ValueError`` for bad arguments or an address that does not resolve, ``OSError``
+    when the port cannot be bound (in use, not a local address, no permission); both name the
+    address and port."""
+    _check_port("port", port)
+    if not isinstance(addr, str) or not addr.strip():
+        raise ValueError(f"addr must be a host name or IP address, got {addr!r}")
+    tls = _check_tls(certfile, keyfile, client_cafile, client_capath, client_auth_required)
+    where = f"{addr}:{port}"
+    with _servers_lock:
+        running = _servers.get((addr, port)) if port else None
+        if running is not None:
+            if (registry is not None and registry is not running.registry) or (tls and not running.tls):
+                logger.warning("mlx-watchdog: a metrics server already runs on %s; the options of this "
+                               "call (registry, TLS) are ignored", where)
+            return running
+        registry = REGISTRY if registry is None else registry
+        if tls:
+            _preload_tls(where, certfile, keyfile, client_cafile, client_capath)
+        register_collector(registry)
+        try:
+            server, thread = prometheus_client.start_http_server(
+                port, addr=addr, registry=registry, certfile=certfile, keyfile=keyfile,
+                client_cafile=client_cafile, client_capath=client_capath,
+                client_auth_required=client_auth_required)
+        except socket.gaierror as exc:
+            raise ValueError(f"mlx-watchdog metrics server: address {addr!r} (port {port}) is not a "
+                             f"host name or IP address of this machine: {exc}") from exc
+        except OSError as exc:
+            raise OSError(exc.errno, f"mlx-watchdog metrics server: cannot listen on {where}: "
+                                     f"{_bind_hint(exc, port)}") from exc
+        bound = MetricsServer(addr, int(server.server_address[1]), server, thread, registry, tls)
+        thread.name = f"mlx-watchdog-metrics-{bound.port}"
+        _servers[(addr, bound.port)] = bound
+        logger.info("mlx-watchdog: metrics at %s", bound.url)
+        return bound
+
+
+def _check_port(label: str, port) -> None:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"{label} must be an integer from 0 to 65535 (0 picks a free port), got {port!r}")
+
+
+def _check_tls(certfile, keyfile, client_cafile, client_capath, client_auth_required) -> bool:
+    if bool(certfile) != bool(keyfile):
+        # prometheus_client silently serves plain HTTP when only one is given.
+        raise ValueError("TLS needs both certfile and keyfile "
+                         f"(got certfile={certfile!r}, keyfile={keyfile!r})")
+    tls = bool(certfile)
+    if not tls and (client_cafile or client_capath or client_auth_required):
+        raise ValueError("client certificate options (client_cafile, client_capath, "
+                         "client_auth_required) need TLS: pass certfile and keyfile too")
+    if client_auth_required and not (client_cafile or client_capath):
+        raise ValueError("client_auth_required=True needs client_cafile or client_capath: the CA "
+                         "that signs the client certificates to accept")
+    return tls
+
+
+def _preload_tls(where, certfile, keyfile, cafile, capath) -> None:
+    """Load the TLS files before binding: prometheus_client binds first and would keep the port
+    open when a file is bad."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile=certfile, keyfile=keyfile)
+        if cafile or capath:
+            context.load_verify_locations(cafile, capath)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"mlx-watchdog metrics server on {where}: cannot load the TLS files "
+                         f"(certfile={certfile!r}, keyfile={keyfile!r}, client_cafile={cafile!r}, "
+                         f"client_capath={capath!r}): {exc}") from exc
+
+
+def _bind_hint(exc: OSError, port: int) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} is already in use (another exporter or server?); choose another "
+                "metrics port, or 0 for a free one")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return "the address is not one of this machine's"
+    if exc.errno == errno.EACCES:
+        return f"permission denied (ports below 1024 need privileges): {exc.strerror}"
+    return exc.strerror or str(exc)
+
+
+# --------------------------------------------------------------------------- distributed
+
+# Launchers set the rank in the environment: mlx.launch (ring, nccl, jaccl) MLX_RANK, JACCL
+# JACCL_RANK, Open MPI OMPI_COMM_WORLD_RANK, MPICH/PMIx PMI_RANK/PMIX_RANK.
+_RANK_VARIABLES = ("MLX_RANK", "JACCL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def default_metrics_port(base: int = DEFAULT_PORT) -> int:
+    """``base + rank`` in a distributed MLX job (so ranks on one host do not clash), else ``base``.
+
+    The rank comes from a live watchdog in a group of size > 1, else from the launcher's
+    environment. ``mx.distributed.init()`` is never called: it is not a query. Launched, it joins
+    the ring (blocking until every rank joins); not launched, it caches a size-1 group under a
+    backend's name that a later explicit ``init(backend=...)`` would silently get."""
+    _check_port("base", base)
+    if base == 0:
+        return 0  # any free port: nothing to offset
+    rank = _distributed_rank()
+    if base + rank > 65535:
+        raise ValueError(f"metrics port base {base} + rank {rank} is above 65535")
+    return base + rank
+
+
+def _distributed_rank() -> int:
+    try:
+        if not mx.distributed.is_available():
+            return 0
+    except Exception:
+        return 0
+    for wd in _safe_live():
+        if _world_size(wd) > 1:
+            return int(wd.rank)
+    for variable in _RANK_VARIABLES:
+        value = os.environ.get(variable, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _safe_live() -> Iterable[Watchdog]:
+    try:
+        return live_watchdogs()
+    except Exception:
+        return []

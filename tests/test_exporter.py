@@ -1,0 +1,635 @@
+"""Tests of mlx_watchdog.exporters.prometheus: the exposition during a real leaky decode, promtool's
+lint, the HTTP server (TLS, errors), and a real Prometheus scraping it.
+
+The leaky decode: mlx-lm's BatchGenerator on a tiny hybrid qwen3_next with equal-length prompts
+keeps (linear-attention layers - 1) more buffers each step in ArraysCache.left_padding; 8 layers
+with full attention every 4th -> 6 linear layers -> 5 buffers per step.
+
+promtool and prometheus come from Debian's `prometheus` package: missing locally, their tests
+skip with a loud reason; under CI=true they fail.
+"""
+
+import asyncio
+import datetime
+import io
+import json
+import math
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import mlx.core as mx
+import psutil
+import pytest
+from mlx_lm.generate import BatchGenerator
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+import mlx_watchdog
+from mlx_watchdog import Watchdog
+from mlx_watchdog.attach import unwatch_model, watch, watch_model
+from mlx_watchdog.exporters import prometheus as exporter
+from mlx_watchdog.limits import device_name
+from mlx_watchdog.tiny import build_model, tiny_prompts
+
+# The contract of issue 5 (the dashboard and alert rules query these names), written out here
+# independently of the exporter's own table.
+GAUGES = {
+    "mlx_watchdog_resident_buffers", "mlx_watchdog_resource_limit_buffers",
+    "mlx_watchdog_buffers_per_step", "mlx_watchdog_steps_to_limit", "mlx_watchdog_seconds_to_limit",
+    "mlx_watchdog_pending_graph_nodes", "mlx_watchdog_leak_buffers_per_step", "mlx_watchdog_step_rate",
+    "mlx_watchdog_memory_active_bytes", "mlx_watchdog_memory_peak_bytes",
+    "mlx_watchdog_memory_cache_bytes", "mlx_watchdog_memory_limit_bytes",
+    "mlx_watchdog_process_resident_memory_bytes", "mlx_watchdog_info",
+    "mlx_watchdog_prefill_graph_nodes", "mlx_watchdog_max_safe_prefill_tokens",
+}
+COUNTERS = {  # sample names; the family names lack "_total"
+    "mlx_watchdog_steps_total", "mlx_watchdog_materialized_arrays_total",
+    "mlx_watchdog_reclaimed_buffers_total", "mlx_watchdog_stops_total",
+    "mlx_watchdog_overhead_seconds_total", "mlx_watchdog_internal_errors_total",
+}
+EXTRA_LABELS = {
+    "mlx_watchdog_leak_buffers_per_step": {"site"},
+    "mlx_watchdog_stops_total": {"reason"},
+    "mlx_watchdog_info": {"version", "mlx_version", "mlx_lm_version", "device", "fix"},
+}
+LEAK_SITE = "ArraysCache.left_padding"
+LEAK_PER_STEP = 5  # 8 layers, full attention every 4th: 6 linear-attention layers - 1
+LIMIT = 20_000
+
+
+# --------------------------------------------------------------------------- helpers
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
+    if path:
+        return path
+    msg = (f"{name} NOT INSTALLED: this exporter test cannot run. Install Debian's `prometheus` "
+           "package (make system-deps); under CI=true this is a failure.")
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(msg)
+    print(f"\n*** WARNING: {msg} ***", file=sys.stderr)
+    warnings.warn(msg)
+    pytest.skip(f"*** {msg} ***")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5, context=None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def families_of(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def scrape(registry) -> dict:
+    return families_of(generate_latest(registry).decode())
+
+
+def samples(families: dict, sample_name: str, **labels) -> list:
+    """Samples named ``sample_name`` whose labels include ``labels``."""
+    out = []
+    for family in families.values():
+        for s in family.samples:
+            if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items()):
+                out.append(s)
+    return out
+
+
+def value(families: dict, sample_name: str, **labels) -> float:
+    found = samples(families, sample_name, **labels)
+    assert len(found) == 1, f"{sample_name}{labels}: expected one sample, got {found}"
+    return found[0].value
+
+
+class Decode:
+    """A watched BatchGenerator decode that the test steps forward explicitly."""
+
+    def __init__(self, name: str, layers: int, prompts: list, limit: int = LIMIT):
+        self.model = build_model("qwen3_next", layers=layers)
+        # A generous walk budget: measured often, so the rate is known within a few steps even
+        # when one early walk is slow on a loaded machine (the default 1% can then wait seconds).
+        self.wd = Watchdog(limit=limit, name=name, overhead_budget=0.5)
+        watch_model(self.model, self.wd)
+        self.gen = BatchGenerator(self.model, max_tokens=100_000)
+        self.gen.insert(prompts)
+
+    def advance(self, steps: int) -> None:
+        for _ in range(steps):
+            assert self.gen.next_generated(), "the decode ended early"
+
+    def close(self) -> None:
+        self.gen.close()
+        unwatch_model(self.model)
+
+
+@pytest.fixture(scope="module")
+def leaky():
+    decode = Decode("exp-leaky", 8, tiny_prompts(2, 6, 512, seed=1))  # equal lengths: leaks
+    decode.advance(40)
+    yield decode
+    decode.close()
+
+
+@pytest.fixture(scope="module")
+def flat():
+    # Unequal prompt lengths: mlx-lm right-pads and sets left_padding=None, nothing leaks.
+    prompts = [tiny_prompts(1, 4, 512, seed=2)[0], tiny_prompts(1, 7, 512, seed=3)[0]]
+    decode = Decode("exp-flat", 4, prompts)
+    decode.advance(30)
+    yield decode
+    decode.close()
+
+
+@pytest.fixture
+def registry():
+    reg = CollectorRegistry()
+    exporter.register_collector(reg)
+    return reg
+
+
+# --------------------------------------------------------------------------- exposition
+
+def test_promtool_check_metrics_has_no_findings(leaky, flat, registry):
+    promtool = require_tool("promtool")
+    prefill = Watchdog(name="exp-prefill")  # fills the families a decode leaves empty
+    prefill.prefill_graph_nodes, prefill.max_safe_prefill_tokens = 149_000, 900
+    prefill.record_stop("forecast")
+    prefill.record_stop("coordinator")
+    text = generate_latest(registry)
+    names = {s.name for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+    assert exporter.exposed_metric_names() <= names, "every family should have a sample here"
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
+    findings = (result.stdout + result.stderr).decode().strip()
+    assert result.returncode == 0 and findings == "", f"promtool check metrics:\n{findings}"
+    del prefill
+
+
+def test_names_types_help_and_labels(leaky, flat):
+    assert exporter.exposed_metric_names() == GAUGES | COUNTERS
+    # These two only: a watchdog of another test module with world_size > 1 would add `rank`.
+    registry = CollectorRegistry()
+    registry.register(exporter.WatchdogCollector([leaky.wd, flat.wd]))
+    families = scrape(registry)
+    ours = {name: f for name, f in families.items() if name.startswith("mlx_watchdog_")}
+    for family in ours.values():
+        if family.name + "_total" in COUNTERS:
+            assert family.type == "counter", family.name
+        else:
+            assert family.name in GAUGES and family.type == "gauge", (family.name, family.type)
+        assert len(family.documentation.split()) >= 4, f"{family.name}: HELP too short: {family.documentation!r}"
+        for s in family.samples:
+            assert s.name in GAUGES | COUNTERS, s.name
+            assert set(s.labels) == {"watchdog"} | EXTRA_LABELS.get(s.name, set()), (s.name, s.labels)
+    # Both watchdogs, under their own names, in every family of per-watchdog readings.
+    for name in ("exp-leaky", "exp-flat"):
+        for sample_name in (GAUGES | COUNTERS) - {"mlx_watchdog_leak_buffers_per_step",
+                                                  "mlx_watchdog_prefill_graph_nodes",
+                                                  "mlx_watchdog_max_safe_prefill_tokens"}:
+            assert samples(families, sample_name, watchdog=name), (sample_name, name)
+    # Prefill readings are left out while unknown (None), not exported as 0.
+    assert not samples(families, "mlx_watchdog_prefill_graph_nodes", watchdog="exp-leaky")
+    info = samples(families, "mlx_watchdog_info", watchdog="exp-leaky")[0]
+    assert info.value == 1
+    assert info.labels["version"] == mlx_watchdog.__version__
+    assert info.labels["mlx_version"] == mx.__version__
+    assert info.labels["device"] == device_name()
+    assert info.labels["fix"] == "false"
+    assert info.labels["mlx_lm_version"].count(".") >= 1
+
+
+def test_values_match_the_forecast_during_a_leaky_decode(leaky, flat, registry):
+    wd = leaky.wd
+    for _ in range(2):  # two moments of the same decode: the readings move with it
+        leaky.advance(25)
+        flat.advance(5)
+        families = scrape(registry)
+        f = wd.forecast()  # same thread, no step in between: the same state the scrape read
+        label = {"watchdog": "exp-leaky"}
+        assert value(families, "mlx_watchdog_resident_buffers", **label) == f.resident_buffers
+        assert value(families, "mlx_watchdog_resource_limit_buffers", **label) == LIMIT
+        assert value(families, "mlx_watchdog_buffers_per_step", **label) == pytest.approx(f.buffers_per_step)
+        assert f.buffers_per_step == pytest.approx(LEAK_PER_STEP, rel=0.1)
+        assert value(families, "mlx_watchdog_steps_to_limit", **label) == pytest.approx(f.steps_to_limit)
+        assert math.isfinite(f.steps_to_limit) and f.steps_to_limit > 0
+        assert value(families, "mlx_watchdog_seconds_to_limit", **label) == pytest.approx(f.seconds_to_limit)
+        assert value(families, "mlx_watchdog_pending_graph_nodes", **label) == f.pending_graph_nodes
+        assert value(families, "mlx_watchdog_step_rate", **label) == pytest.approx(f.step_rate)
+        assert f.step_rate > 0
+        assert [leak.site for leak in f.leaks] == [LEAK_SITE]
+        assert value(families, "mlx_watchdog_leak_buffers_per_step", site=LEAK_SITE, **label) == \
+            pytest.approx(f.leaks[0].buffers_per_step)
+        assert value(families, "mlx_watchdog_steps_total", **label) == wd.steps == f.step
+        assert value(families, "mlx_watchdog_overhead_seconds_total", **label) == pytest.approx(wd.overhead_seconds)
+        assert value(families, "mlx_watchdog_internal_errors_total", **label) == wd.internal_errors == 0
+        assert value(families, "mlx_watchdog_stops_total", reason="forecast", **label) == 0
+        assert value(families, "mlx_watchdog_materialized_arrays_total", **label) == 0  # fix=False
+    # The other watchdog: the same model family without the leak.
+    flat_label = {"watchdog": "exp-flat"}
+    assert value(families, "mlx_watchdog_buffers_per_step", **flat_label) == 0
+    assert value(families, "mlx_watchdog_steps_to_limit", **flat_label) == math.inf
+    assert value(families, "mlx_watchdog_seconds_to_limit", **flat_label) == math.inf
+    assert not samples(families, "mlx_watchdog_leak_buffers_per_step", **flat_label)
+    assert value(families, "mlx_watchdog_steps_total", **flat_label) == flat.wd.steps
+
+
+def test_memory_readings(leaky, registry):
+    families = scrape(registry)
+    label = {"watchdog": "exp-leaky"}
+    active = value(families, "mlx_watchdog_memory_active_bytes", **label)
+    assert 0 < active <= value(families, "mlx_watchdog_memory_peak_bytes", **label)
+    assert value(families, "mlx_watchdog_memory_cache_bytes", **label) >= 0
+    assert value(families, "mlx_watchdog_memory_limit_bytes", **label) == mx.get_memory_limit()
+    rss = value(families, "mlx_watchdog_process_resident_memory_bytes", **label)
+    assert rss == pytest.approx(psutil.Process().memory_info().rss, rel=0.2)
+
+
+def test_export_false_is_left_out_unless_listed(leaky, registry):
+    hidden = Watchdog(name="exp-hidden", export=False)
+    assert not samples(scrape(registry), "mlx_watchdog_steps_total", watchdog="exp-hidden")
+    assert samples(scrape(registry), "mlx_watchdog_steps_total", watchdog="exp-leaky")
+    # An explicit list exports exactly those watchdogs.
+    own = CollectorRegistry()
+    own.register(exporter.WatchdogCollector([hidden]))
+    families = scrape(own)
+    assert {s.labels["watchdog"] for s in families["mlx_watchdog_steps"].samples} == {"exp-hidden"}
+
+
+def test_rank_label_in_a_distributed_job():
+    wd = Watchdog(name="exp-ranked", export=False)
+    wd.rank, wd.world_size = 3, 4
+    reg = CollectorRegistry()
+    reg.register(exporter.WatchdogCollector([wd]))
+    families = scrape(reg)
+    ours = [s for f in families.values() for s in f.samples]
+    assert ours and all(s.labels["rank"] == "3" and s.labels["watchdog"] == "exp-ranked" for s in ours)
+
+
+def test_one_broken_watchdog_does_not_break_the_scrape(leaky):
+    broken = Watchdog(name="exp-broken", export=False)
+
+    def fail():
+        raise RuntimeError("forecast failed")
+
+    broken.forecast = fail
+    reg = CollectorRegistry()
+    reg.register(exporter.WatchdogCollector([broken, leaky.wd]))
+    families = scrape(reg)
+    assert samples(families, "mlx_watchdog_steps_total", watchdog="exp-leaky")
+    assert not any(s.labels.get("watchdog") == "exp-broken" for f in families.values() for s in f.samples)
+    assert broken.internal_errors == 1
+    scrape(reg)
+    assert broken.internal_errors == 2  # counted once per failed scrape
+
+
+def test_same_names_get_distinct_labels():
+    first, second = Watchdog(name="exp-twin", export=False), Watchdog(name="exp-twin", export=False)
+    reg = CollectorRegistry()
+    reg.register(exporter.WatchdogCollector([first, second]))
+    text = generate_latest(reg)
+    labels = [s.labels["watchdog"] for s in families_of(text.decode())["mlx_watchdog_steps"].samples]
+    assert sorted(labels) == ["exp-twin", "exp-twin-2"]
+    again = [s.labels["watchdog"] for s in scrape(reg)["mlx_watchdog_steps"].samples]
+    assert again == labels  # stable across scrapes
+
+
+def test_a_name_left_by_an_unexported_watchdog_is_free_again(registry):
+    old = Watchdog(name="exp-swap")
+    assert samples(scrape(registry), "mlx_watchdog_steps_total", watchdog="exp-swap")
+    old.export = False  # as `serve` does when a model is unloaded; the object may live on
+    new = Watchdog(name="exp-swap")
+    new.steps = 7
+    assert value(scrape(registry), "mlx_watchdog_steps_total", watchdog="exp-swap") == 7
+    assert not samples(scrape(registry), "mlx_watchdog_steps_total", watchdog="exp-swap-2")
+
+
+def test_openmetrics_exposition_parses(leaky, registry):
+    from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+
+    families = {f.name: f for f in parse_openmetrics(generate_openmetrics(registry).decode())}
+    assert families["mlx_watchdog_steps"].type == "counter"
+    assert families["mlx_watchdog_memory_active_bytes"].unit == "bytes"
+
+
+def test_collector_registers_once_and_describes_its_names():
+    reg = CollectorRegistry()
+    first = exporter.register_collector(reg)
+    assert exporter.register_collector(reg) is first
+    described = {m.name for m in first.describe()}
+    assert "mlx_watchdog_steps" in described and "mlx_watchdog_steps_to_limit" in described
+    with pytest.raises(ValueError):  # a second collector would duplicate every series
+        reg.register(exporter.WatchdogCollector())
+    with pytest.raises(ValueError, match="Watchdog"):
+        exporter.WatchdogCollector(["not a watchdog"])
+
+
+# --------------------------------------------------------------------------- the HTTP server
+
+def test_server_on_a_free_port_is_started_once(leaky, registry):
+    server = exporter.start_metrics_server(0, registry=registry)
+    try:
+        assert server.port > 0 and server.url == f"http://127.0.0.1:{server.port}/metrics"
+        assert exporter.start_metrics_server(server.port, registry=registry) is server
+        status, body = http_get(server.url)
+        assert status == 200
+        families = families_of(body.decode())
+        assert len(samples(families, "mlx_watchdog_steps_total", watchdog="exp-leaky")) == 1
+    finally:
+        server.close()
+    again = exporter.start_metrics_server(server.port, registry=registry)  # close() freed the port
+    try:
+        assert again is not server and http_get(again.url)[0] == 200
+    finally:
+        again.close()
+
+
+def test_decorator_starts_the_server_once_per_process():
+    port = free_port()
+
+    def generate(model, tokenizer, prompt, prompt_cache=None):
+        return prompt
+
+    try:
+        watch(generate, metrics_port=port)
+        watch(generate, metrics_port=port)  # a second decorated function: same server
+        status, body = http_get(f"http://127.0.0.1:{port}/metrics")
+        assert status == 200 and b"mlx_watchdog_steps_total" in body
+    finally:
+        exporter.start_metrics_server(port).close()
+
+
+def test_port_in_use_names_address_and_port(registry):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}.*already in use"):
+            exporter.start_metrics_server(port, registry=registry)
+
+
+@pytest.mark.parametrize("port", [-1, 65536, "9464", True, 1.5])
+def test_bad_port_is_a_value_error(port):
+    with pytest.raises(ValueError, match="port"):
+        exporter.start_metrics_server(port)
+
+
+def test_bad_address_names_address_and_port(registry):
+    with pytest.raises(ValueError, match=r"no-such-host\.invalid.*port 9999"):
+        exporter.start_metrics_server(9999, addr="no-such-host.invalid", registry=registry)
+    with pytest.raises(OSError, match=r"192\.0\.2\.1:9999"):  # TEST-NET-1: not this machine's
+        exporter.start_metrics_server(9999, addr="192.0.2.1", registry=registry)
+    with pytest.raises(ValueError, match="addr"):
+        exporter.start_metrics_server(9999, addr="")
+
+
+def make_cert(directory: Path, name: str) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 (also usable as its own CA): cryptography when
+    installed, else the openssl command."""
+    cert, key = directory / f"{name}.pem", directory / f"{name}-key.pem"
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            msg = "neither the cryptography package nor openssl is installed: TLS test not run"
+            print(f"\n*** WARNING: {msg} ***", file=sys.stderr)
+            warnings.warn(msg)
+            pytest.skip(f"*** {msg} ***")
+        subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-days", "1", "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-addext", "basicConstraints=critical,CA:TRUE",
+                        "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=30)
+        return str(cert), str(key)
+    import ipaddress
+
+    private = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+        .public_key(private.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(private, hashes.SHA256())
+    )
+    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    return str(cert), str(key)
+
+
+def test_tls_and_client_certificates(tmp_path, leaky, registry):
+    cert, key = make_cert(tmp_path, "server")
+    client_cert, client_key = make_cert(tmp_path, "client")
+    trust_server = ssl.create_default_context(cafile=cert)
+
+    server = exporter.start_metrics_server(0, registry=registry, certfile=cert, keyfile=key)
+    try:
+        assert server.url.startswith("https://127.0.0.1:")
+        status, body = http_get(server.url, context=trust_server)
+        assert status == 200 and b'mlx_watchdog_steps_total{watchdog="exp-leaky"}' in body
+        with pytest.raises(OSError):  # plain HTTP is not served
+            http_get(server.url.replace("https", "http"), timeout=3)
+    finally:
+        server.close()
+
+    mutual = exporter.start_metrics_server(0, registry=registry, certfile=cert, keyfile=key,
+                                           client_cafile=client_cert, client_auth_required=True)
+    try:
+        with pytest.raises(OSError):  # no client certificate: the handshake is refused
+            http_get(mutual.url, timeout=3, context=trust_server)
+        with_client = ssl.create_default_context(cafile=cert)
+        with_client.load_cert_chain(client_cert, client_key)
+        status, body = http_get(mutual.url, context=with_client)
+        assert status == 200 and b"mlx_watchdog_resident_buffers" in body
+    finally:
+        mutual.close()
+
+
+def test_tls_option_errors(tmp_path, registry):
+    cert, key = make_cert(tmp_path, "server")
+    with pytest.raises(ValueError, match="certfile and keyfile"):
+        exporter.start_metrics_server(0, registry=registry, certfile=cert)
+    with pytest.raises(ValueError, match="need TLS"):
+        exporter.start_metrics_server(0, registry=registry, client_cafile=cert)
+    with pytest.raises(ValueError, match="client_cafile or client_capath"):
+        exporter.start_metrics_server(0, registry=registry, certfile=cert, keyfile=key, client_auth_required=True)
+    port = free_port()
+    with pytest.raises(ValueError, match=rf"127\.0\.0\.1:{port}.*missing\.pem"):
+        exporter.start_metrics_server(port, registry=registry, certfile=str(tmp_path / "missing.pem"), keyfile=key)
+    with socket.socket() as s:  # the bad files were found before the port was bound
+        s.bind(("127.0.0.1", port))
+
+
+def test_wsgi_and_asgi_apps(leaky):
+    reg = CollectorRegistry()
+    wsgi = exporter.make_wsgi_app(reg)
+    replies = []
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "QUERY_STRING": "", "wsgi.input": io.BytesIO()}
+    body = b"".join(wsgi(environ, lambda status, headers: replies.append(status)))
+    assert replies == ["200 OK"]
+    assert samples(families_of(body.decode()), "mlx_watchdog_steps_total", watchdog="exp-leaky")
+
+    asgi = exporter.make_asgi_app(reg)  # same registry: the collector is not registered twice
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(asgi({"type": "http", "query_string": b"", "headers": []}, receive, send))
+    assert sent[0]["status"] == 200
+    assert samples(families_of(sent[1]["body"].decode()), "mlx_watchdog_steps_total", watchdog="exp-leaky")
+
+
+def test_default_metrics_port(monkeypatch):
+    def no_init(*args, **kwargs):
+        raise AssertionError("default_metrics_port must not initialize a distributed group")
+
+    monkeypatch.setattr(mx.distributed, "init", no_init)
+    for variable in exporter._RANK_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(exporter, "live_watchdogs", lambda: [])  # other tests' watchdogs aside
+    assert exporter.default_metrics_port() == 9464
+    assert exporter.default_metrics_port(9100) == 9100
+    monkeypatch.setenv("MLX_RANK", "3")  # set by mlx.launch for each rank
+    expected = 9467 if mx.distributed.is_available() else 9464
+    assert exporter.default_metrics_port() == expected
+    monkeypatch.delenv("MLX_RANK")
+    ranked = Watchdog(name="exp-rank-port", export=False)  # as the distributed module sets it up
+    ranked.rank, ranked.world_size = 2, 4
+    monkeypatch.setattr(exporter, "live_watchdogs", lambda: [ranked])
+    assert exporter.default_metrics_port(9000) == (9002 if mx.distributed.is_available() else 9000)
+    assert exporter.default_metrics_port(0) == 0  # any free port: no offset
+    with pytest.raises(ValueError, match="base"):
+        exporter.default_metrics_port(70000)
+
+
+# --------------------------------------------------------------------------- a real Prometheus
+
+@pytest.fixture
+def prometheus(tmp_path):
+    """Start Prometheus on a free loopback port; returns a function that starts scraping a target."""
+    binary = require_tool("prometheus")
+    procs = []
+
+    def start(target_port: int) -> str:
+        port = free_port()
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+            "scrape_configs:\n  - job_name: mlx-watchdog\n"
+            f"    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n")
+        log = open(tmp_path / "prometheus.log", "wb")
+        proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+             f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
+            stdout=log, stderr=subprocess.STDOUT)
+        procs.append((proc, log))
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"prometheus exited: {prometheus_log()}"
+            try:
+                if http_get(base + "/-/ready", timeout=1)[0] == 200:
+                    return base
+            except OSError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"prometheus not ready after 30 s: {prometheus_log()}")
+
+    def prometheus_log() -> str:
+        path = tmp_path / "prometheus.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    start.log = prometheus_log
+    yield start
+    for proc, log in procs:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        log.close()
+
+
+def query(base: str, expr: str) -> dict:
+    """{metric name: float value} of an instant query (one series per name expected)."""
+    status, body = http_get(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
+    reply = json.loads(body)
+    assert status == 200 and reply["status"] == "success", reply
+    return {r["metric"]["__name__"]: float(r["value"][1]) for r in reply["data"]["result"]}
+
+
+def test_real_prometheus_scrapes_the_forecast(prometheus, leaky, flat, registry):
+    server = exporter.start_metrics_server(0, registry=registry)
+    try:
+        base = prometheus(server.port)
+        wanted = ('{__name__=~"mlx_watchdog_(buffers_per_step|steps_to_limit|steps_total)",'
+                  'watchdog="exp-leaky"}')
+        # While the decode runs (Prometheus scrapes every second from its own process).
+        seen_during = None
+        deadline = time.monotonic() + 40
+        while seen_during is None and time.monotonic() < deadline:
+            leaky.advance(10)
+            got = query(base, wanted)
+            if len(got) == 3:
+                seen_during = (got, leaky.wd.forecast())
+        assert seen_during, f"no scrape reached Prometheus in 40 s: {prometheus.log()}"
+        got, now = seen_during
+        assert got["mlx_watchdog_buffers_per_step"] == pytest.approx(now.buffers_per_step, rel=0.1)
+        # Each step brings the limit one step closer: correct for the steps since that scrape.
+        behind = now.step - got["mlx_watchdog_steps_total"]
+        assert 0 <= behind
+        assert got["mlx_watchdog_steps_to_limit"] == pytest.approx(now.steps_to_limit + behind,
+                                                                     rel=0.05, abs=10)
+        leaky.advance(20)
+
+        # The decode holds still: the next scrape carries exactly the watchdog's forecast.
+        final = leaky.wd.forecast()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            got = query(base, wanted)
+            if got.get("mlx_watchdog_steps_total") == final.step:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"Prometheus never saw step {final.step}: {got}; {prometheus.log()}")
+        assert got["mlx_watchdog_buffers_per_step"] == pytest.approx(final.buffers_per_step, rel=1e-9)
+        assert got["mlx_watchdog_steps_to_limit"] == pytest.approx(final.steps_to_limit, rel=1e-9)
+        assert final.buffers_per_step == pytest.approx(LEAK_PER_STEP, rel=0.1)
+        # Not growing: +Inf reaches Prometheus as +Inf.
+        flat_stl = query(base, 'mlx_watchdog_steps_to_limit{watchdog="exp-flat"}')
+        assert flat_stl == {"mlx_watchdog_steps_to_limit": math.inf}
+        assert query(base, 'up{job="mlx-watchdog"}') == {"up": 1.0}
+    finally:
+        server.close()
