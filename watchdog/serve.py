@@ -42,6 +42,7 @@ import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from .attach import unwatch_model, watch_model, watched_state
+from .cli import port_number, positive_int
 from .core import ResourceLimitForecast, Watchdog
 
 logger = logging.getLogger("mlx_watchdog")
@@ -63,16 +64,6 @@ _HOOK_POINTS = (
 
 # --------------------------------------------------------------------------- arguments
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
 def _steps(text: str) -> float:
     try:
         value = float(text)
@@ -80,16 +71,6 @@ def _steps(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of steps >= 0, got {text!r}") from None
     if not value >= 0 or math.isinf(value):  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be a finite number of steps >= 0, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
     return value
 
 
@@ -121,9 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--fix", action=argparse.BooleanOptionalAction, default=False,
                        help="materialize the pending cache arrays each step (cuts the lazy chains "
                             "that leak buffers); default: --no-fix, only watch")
-    group.add_argument("--fix-every", type=_positive_int, default=1, metavar="N",
+    group.add_argument("--fix-every", type=positive_int, default=1, metavar="N",
                        help="run the fix every N decode steps (default: 1)")
-    group.add_argument("--limit", type=_positive_int, default=None, metavar="N",
+    group.add_argument("--limit", type=positive_int, default=None, metavar="N",
                        help="buffer limit to forecast against (default: the device's Metal "
                             "resource limit, else 499000)")
     group.add_argument("--warn-within", type=_steps, default=None, metavar="STEPS",
@@ -138,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--adapt-prefill", action="store_true", default=False,
                        help="shrink the server's prefill chunks to what the watchdog measures as safe "
                             "(needs mlx_watchdog.prefill)")
-    group.add_argument("--metrics-port", type=_port, default=default_metrics_port(), metavar="PORT",
+    group.add_argument("--metrics-port", type=port_number, default=default_metrics_port(), metavar="PORT",
                        help="port of the Prometheus /metrics endpoint (default: %(default)s; "
                             "0 picks a free one)")
     group.add_argument("--metrics-addr", default=DEFAULT_METRICS_ADDR, metavar="ADDR",
