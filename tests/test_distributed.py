@@ -9,17 +9,14 @@ import json
 import math
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from support import find_binary, free_port_run, log_tail, prom_query, require_binary, start_prometheus, stop_process
 
 from mlx_watchdog import ResourceLimitForecast, Watchdog
 from mlx_watchdog import distributed as dist
@@ -29,8 +26,7 @@ WORKER = ROOT / "tests" / "dist_worker.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"  # the venv's, next to its python
 if not LAUNCH.exists() and shutil.which("mlx.launch"):
     LAUNCH = Path(shutil.which("mlx.launch"))
-PROMETHEUS = shutil.which("prometheus") or ("/usr/bin/prometheus" if os.path.exists("/usr/bin/prometheus") else None)
-IN_CI = os.environ.get("CI", "").lower() == "true"
+PROMETHEUS = find_binary("prometheus")
 
 LEAK_RANK, LIMIT, STOP_WITHIN, MAX_TOKENS = 1, 200, 100, 400
 RESULTS_TIMEOUT = 120  # seconds for both ranks to decode and stop
@@ -40,89 +36,14 @@ EXIT_TIMEOUT = 30
 
 # --------------------------------------------------------------------------- helpers
 
-def free_port_run(n: int) -> int:
-    """A port p with p .. p+n-1 all free on 127.0.0.1 (checked by binding)."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + n > 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no run of {n} free ports found")
-
-
-def http_get_json(url: str, timeout: float = 2.0):
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.loads(response.read().decode())
-
-
-def kill_group(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait(timeout=10)
-
-
-def tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def start_prometheus(tmp: Path, targets: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port_run(1)
-    config = tmp / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-        "scrape_configs:\n  - job_name: mlx-watchdog\n    static_configs:\n"
-        f"      - targets: [{', '.join(repr(t) for t in targets)}]\n")
-    log = open(tmp / "prometheus.log", "w")
-    process = subprocess.Popen(
-        [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"prometheus exited: {tail(tmp / 'prometheus.log')}")
-        try:
-            urllib.request.urlopen(url + "/-/ready", timeout=1).read()
-            return process, url
-        except OSError:
-            time.sleep(0.2)
-    kill_group(process)
-    raise RuntimeError(f"prometheus did not become ready: {tail(tmp / 'prometheus.log')}")
-
-
-def query(url: str, promql: str) -> list[dict]:
-    data = http_get_json(f"{url}/api/v1/query?query={urllib.parse.quote(promql)}")
-    return data["data"]["result"] if data.get("status") == "success" else []
-
-
 def scraped_by_rank(url: str) -> dict[str, dict]:
     """rank label -> {instance, steps, stops} as Prometheus has them now."""
     seen: dict[str, dict] = {}
-    for series in query(url, 'mlx_watchdog_steps_total{watchdog="tiny"}'):
+    for series in prom_query(url, 'mlx_watchdog_steps_total{watchdog="tiny"}'):
         labels = series["metric"]
         seen.setdefault(labels.get("rank", ""), {})["instance"] = labels.get("instance")
         seen[labels.get("rank", "")]["steps"] = float(series["value"][1])
-    for series in query(url, 'mlx_watchdog_stops_total{watchdog="tiny",reason="forecast"}'):
+    for series in prom_query(url, 'mlx_watchdog_stops_total{watchdog="tiny",reason="forecast"}'):
         seen.setdefault(series["metric"].get("rank", ""), {})["stops"] = float(series["value"][1])
     return seen
 
@@ -190,10 +111,9 @@ def job(tmp_path_factory):
             record["returncode"] = None
         record["wall_seconds"] = time.monotonic() - start
     finally:
-        kill_group(launcher)
-        if prometheus is not None:
-            kill_group(prometheus)
-    record["output"] = f"--- stdout\n{tail(log_out)}\n--- stderr\n{tail(log_err)}"
+        stop_process(launcher, group=True)
+        stop_process(prometheus)
+    record["output"] = f"--- stdout\n{log_tail(log_out, 4000)}\n--- stderr\n{log_tail(log_err, 4000)}"
     yield record
 
 
@@ -265,11 +185,7 @@ def test_coordination_cost_stays_small(job):
 
 
 def test_prometheus_scrapes_both_ranks_with_rank_labels(job):
-    if PROMETHEUS is None:
-        message = "Prometheus is not installed (/usr/bin/prometheus): cannot check the scrape of both ranks"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip("SKIPPED LOUDLY: " + message)
+    require_binary("prometheus")  # the job above ran without it: skip loudly (fail in CI)
     results(job)
     scraped = job["scraped"]
     assert scraped is not None, "no scrape result recorded"

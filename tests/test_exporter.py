@@ -12,7 +12,6 @@ skip with a loud reason; under CI=true they fail.
 import asyncio
 import datetime
 import io
-import json
 import math
 import os
 import shutil
@@ -21,9 +20,6 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import warnings
 from pathlib import Path
 
@@ -43,6 +39,7 @@ from mlx_watchdog.attach import unwatch_model, watch, watch_model
 from mlx_watchdog.exporters import prometheus as exporter
 from mlx_watchdog.limits import device_name
 from mlx_watchdog.tiny import build_model, tiny_prompts
+from support import free_port, http_get, log_tail, prom_query, require_binary, start_prometheus, stop_process
 
 # The contract of issue 5 (the dashboard and alert rules query these names), written out here
 # independently of the exporter's own table.
@@ -71,33 +68,6 @@ LIMIT = 20_000
 
 
 # --------------------------------------------------------------------------- helpers
-
-def require_tool(name: str) -> str:
-    path = shutil.which(name) or (f"/usr/bin/{name}" if Path(f"/usr/bin/{name}").exists() else None)
-    if path:
-        return path
-    msg = (f"{name} NOT INSTALLED: this exporter test cannot run. Install Debian's `prometheus` "
-           "package (make system-deps); under CI=true this is a failure.")
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(msg)
-    print(f"\n*** WARNING: {msg} ***", file=sys.stderr)
-    warnings.warn(msg)
-    pytest.skip(f"*** {msg} ***")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout: float = 5, context=None) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
 
 def families_of(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
@@ -172,7 +142,7 @@ def registry():
 # --------------------------------------------------------------------------- exposition
 
 def test_promtool_check_metrics_has_no_findings(leaky, flat, registry):
-    promtool = require_tool("promtool")
+    promtool = require_binary("promtool")
     prefill = Watchdog(name="exp-prefill")  # fills the families a decode leaves empty
     prefill.prefill_graph_nodes, prefill.max_safe_prefill_tokens = 149_000, 900
     prefill.record_stop("forecast")
@@ -537,57 +507,23 @@ def test_default_metrics_port(monkeypatch):
 @pytest.fixture
 def prometheus(tmp_path):
     """Start Prometheus on a free loopback port; returns a function that starts scraping a target."""
-    binary = require_tool("prometheus")
+    require_binary("prometheus")
     procs = []
 
     def start(target_port: int) -> str:
-        port = free_port()
-        config = tmp_path / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-            "scrape_configs:\n  - job_name: mlx-watchdog\n"
-            f"    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n")
-        log = open(tmp_path / "prometheus.log", "wb")
-        proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle"],
-            stdout=log, stderr=subprocess.STDOUT)
-        procs.append((proc, log))
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"prometheus exited: {prometheus_log()}"
-            try:
-                if http_get(base + "/-/ready", timeout=1)[0] == 200:
-                    return base
-            except OSError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"prometheus not ready after 30 s: {prometheus_log()}")
+        proc, base = start_prometheus(tmp_path, [f"127.0.0.1:{target_port}"])
+        procs.append(proc)
+        return base
 
-    def prometheus_log() -> str:
-        path = tmp_path / "prometheus.log"
-        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
-
-    start.log = prometheus_log
+    start.log = lambda: log_tail(tmp_path / "prometheus.log")
     yield start
-    for proc, log in procs:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        log.close()
+    for proc in procs:
+        stop_process(proc)
 
 
 def query(base: str, expr: str) -> dict:
     """{metric name: float value} of an instant query (one series per name expected)."""
-    status, body = http_get(f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
-    reply = json.loads(body)
-    assert status == 200 and reply["status"] == "success", reply
-    return {r["metric"]["__name__"]: float(r["value"][1]) for r in reply["data"]["result"]}
+    return {r["metric"]["__name__"]: float(r["value"][1]) for r in prom_query(base, expr)}
 
 
 def test_real_prometheus_scrapes_the_forecast(prometheus, leaky, flat, registry):

@@ -22,20 +22,14 @@ import importlib
 import importlib.util
 import json
 import math
-import os
 import re
-import shutil
-import socket
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import warnings
 from pathlib import Path
 
 import pytest
+from support import JOB, http_get, prom_api, require_binary, start_alertmanager, start_prometheus, stop_process
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is needed (pip install pyyaml; it is in the [test] extra)")
 
@@ -49,7 +43,6 @@ PROM_CONFIGS = [GRAFANA / "prometheus.yml", GRAFANA / "prometheus-multi-host.yml
 ALERTMANAGER_CONFIG = GRAFANA / "alertmanager.yml"
 FILE_SD_TARGETS = GRAFANA / "targets" / "mlx-watchdog.json"
 DS = {"type": "prometheus", "uid": "${datasource}"}
-JOB = "mlx-watchdog"
 
 # The exporter's metric contract: sample names as Prometheus stores them
 # (counters with their `_total` suffix). Used when the exporter itself cannot be
@@ -86,74 +79,8 @@ METRIC_NAME = re.compile(r"\bmlx_watchdog_[a-z_]+\b")
 
 
 # --------------------------------------------------------------------------- helpers
-def find_tool(*names: str) -> str | None:
-    for name in names:
-        path = shutil.which(name)
-        if path:
-            return path
-        if Path("/usr/bin", name).exists():
-            return str(Path("/usr/bin", name))
-    return None
-
-
-def require_tool(*names: str) -> str:
-    path = find_tool(*names)
-    if path:
-        return path
-    msg = (
-        f"{' / '.join(names)} NOT INSTALLED: the Grafana/Prometheus tests cannot run. "
-        "Install Debian's `prometheus` and `prometheus-alertmanager` packages (make system-deps)."
-    )
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(msg)
-    print(f"\n*** WARNING: {msg} ***", file=sys.stderr)
-    pytest.skip(f"*** {msg} ***")
-
-
 def run(cmd: list[str], cwd: Path | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout: float = 5) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:  # 4xx/5xx still carry a JSON body
-        return e.code, e.read()
-
-
-def start_server(cmd: list[str], ready_url: str, log: Path, timeout: float = 20) -> subprocess.Popen:
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{cmd[0]} exited with {proc.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            status, _ = http_get(ready_url, timeout=1)
-            if status == 200:
-                return proc
-        except OSError:
-            pass
-        time.sleep(0.1)
-    stop_server(proc)
-    pytest.fail(f"{cmd[0]} not ready after {timeout}s:\n{log.read_text(errors='replace')[-3000:]}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def exposed_names() -> tuple[frozenset[str], str]:
@@ -259,13 +186,13 @@ def rule_thresholds() -> dict[str, float]:
 
 # --------------------------------------------------------------------------- promtool
 def test_promtool_check_rules():
-    promtool = require_tool("promtool")
+    promtool = require_binary("promtool")
     r = run([promtool, "check", "rules", str(RULES)])
     assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_promtool_test_rules():
-    promtool = require_tool("promtool")
+    promtool = require_binary("promtool")
     r = run([promtool, "test", "rules", RULE_TESTS.name], cwd=RULE_TESTS.parent)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout + r.stderr
@@ -274,7 +201,7 @@ def test_promtool_test_rules():
 @pytest.mark.parametrize("config", PROM_CONFIGS, ids=lambda p: p.name)
 def test_promtool_check_config(config: Path):
     # Also checks the rule files and the file_sd target files the config names.
-    promtool = require_tool("promtool")
+    promtool = require_binary("promtool")
     r = run([promtool, "check", "config", config.name], cwd=config.parent)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -320,21 +247,9 @@ def test_prometheus_examples_scrape_the_watchdog():
 
 
 def test_alertmanager_config_loads(tmp_path, request):
-    am = require_tool("prometheus-alertmanager", "alertmanager")
-    port = free_port()
-    proc = start_server(
-        [
-            am,
-            f"--config.file={ALERTMANAGER_CONFIG}",
-            f"--storage.path={tmp_path}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--cluster.listen-address=",
-        ],
-        f"http://127.0.0.1:{port}/-/ready",
-        tmp_path / "alertmanager.log",
-    )
-    request.addfinalizer(lambda: stop_server(proc))
-    status, body = http_get(f"http://127.0.0.1:{port}/api/v2/status")
+    proc, url = start_alertmanager(tmp_path, ALERTMANAGER_CONFIG)
+    request.addfinalizer(lambda: stop_process(proc))
+    status, body = http_get(f"{url}/api/v2/status")
     assert status == 200
     assert "MLXWatchdogResourceLimitImminent" in json.loads(body)["config"]["original"]
 
@@ -556,13 +471,7 @@ class Prometheus:
         self.end = end
 
     def api(self, path: str, **params) -> dict:
-        data = urllib.parse.urlencode(params, doseq=True).encode()
-        req = urllib.request.Request(self.url + path, data=data, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=10) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return json.loads(e.read())
+        return prom_api(self.url, path, **params)
 
     def query(self, expr: str) -> dict:
         return self.api("/api/v1/query", query=expr, time=self.end)
@@ -571,39 +480,27 @@ class Prometheus:
         return self.api("/api/v1/query_range", query=expr, start=self.end - 20 * 60, end=self.end, step=60)
 
     def label_values(self, selector: str, label: str) -> dict:
-        params = urllib.parse.urlencode({"match[]": selector, "start": self.end - WINDOW, "end": self.end})
-        status, body = http_get(f"{self.url}/api/v1/label/{label}/values?{params}")
-        return json.loads(body)
+        params = {"match[]": selector, "start": self.end - WINDOW, "end": self.end}
+        return prom_api(self.url, f"/api/v1/label/{label}/values", method="GET", **params)
 
 
 @pytest.fixture(scope="module")
 def prometheus(request, tmp_path_factory) -> Prometheus:
     """A real Prometheus on a free loopback port, on a temporary TSDB backfilled
     (promtool tsdb create-blocks-from openmetrics) with synthetic exporter data."""
-    prom = require_tool("prometheus")
-    promtool = require_tool("promtool")
+    require_binary("prometheus")
+    promtool = require_binary("promtool")
     work = tmp_path_factory.mktemp("prometheus")
     end = int(time.time()) // SCRAPE * SCRAPE - 2 * SCRAPE
     data = work / "data"
     (work / "input.om").write_text(synthetic_openmetrics(end))
     r = run([promtool, "tsdb", "create-blocks-from", "openmetrics", str(work / "input.om"), str(data)], timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
-    (work / "prometheus.yml").write_text("global:\n  scrape_interval: 15s\nscrape_configs: []\n")
-    port = free_port()
-    proc = start_server(
-        [
-            prom,
-            f"--config.file={work / 'prometheus.yml'}",
-            f"--storage.tsdb.path={data}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--storage.tsdb.retention.time=30d",
-            "--log.level=warn",
-        ],
-        f"http://127.0.0.1:{port}/-/ready",
-        work / "prometheus.log",
-    )
-    request.addfinalizer(lambda: stop_server(proc))
-    return Prometheus(f"http://127.0.0.1:{port}", end)
+    # No targets: every query reads the backfilled blocks.
+    proc, url = start_prometheus(work, storage=data,
+                                 extra_flags=["--storage.tsdb.retention.time=30d", "--log.level=warn"])
+    request.addfinalizer(lambda: stop_process(proc))
+    return Prometheus(url, end)
 
 
 def test_prometheus_rejects_bad_promql(prometheus):

@@ -41,6 +41,7 @@ SAMPLE_WINDOW = 64  # walks kept for the growth-rate fit
 WARN_INTERVAL_SECONDS = 60.0
 LEAK_THRESHOLD = 1e-3  # buffers/step below which a site is not reported as leaking
 MAX_PATHS_PER_SITE = 16
+FULL_SWEEP_FIXES = 16  # between walks, every 16th fix re-reads every cache array, not only the pending ones
 
 _live: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -177,6 +178,8 @@ class Watchdog:
         self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
         self._root_key: Optional[tuple] = None
         self._paths: Optional[list[tuple]] = None
+        self._pending_paths: Optional[list[tuple]] = None
+        self._fixes = 0
         self._last_fix_step = 0
         self._fixed_once = False
         self._last_warn = -math.inf
@@ -274,7 +277,7 @@ class Watchdog:
             if self._root_key is not None:
                 self.reset()
             self._root_key = key
-            self._paths = None
+            self._paths = self._pending_paths = None
         with self._lock:
             if self._started is None:
                 self._started = self._series_started = start
@@ -319,6 +322,9 @@ class Watchdog:
             self._warn_once("cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut)
         self._paths = [f.steps for f in result.found if all(kind != "set" for kind, _ in f.steps)]
         reading = account([f.array for f in result.found])
+        # Between walks the fix re-reads only where pending arrays were seen (see _fix).
+        self._pending_paths = [f.steps for f, done in zip(result.found, reading.evaluated_by_array)
+                               if not done and all(kind != "set" for kind, _ in f.steps)]
 
         sites: dict[str, list] = {}
         for f, done, retained in zip(result.found, reading.evaluated_by_array, reading.retained_by_array):
@@ -367,14 +373,29 @@ class Watchdog:
         return result.found
 
     def _fix(self, roots: Any, found: Optional[list[Found]], step: int) -> None:
-        arrays = [f.array for f in found] if found is not None else self._resolve_arrays(roots)
+        # Between walks, re-read only the paths the last walk saw pending (a few per layer instead
+        # of every cache array); every FULL_SWEEP_FIXES-th fix re-reads them all, so a site that
+        # starts pending later is cut within that many steps even before the next walk.
+        self._fixes += 1
+        if found is not None:
+            arrays = [f.array for f in found]
+        elif self._pending_paths is not None and self._fixes % FULL_SWEEP_FIXES:
+            arrays = self._resolve_arrays(roots, self._pending_paths)
+        else:
+            arrays = self._resolve_arrays(roots)
         pending = [a for a in arrays if not is_evaluated(a)]
         if pending:
+            scheduling = time.thread_time()
             try:
                 mx.async_eval(pending)
             except Exception as exc:  # counted and logged; the decode goes on
                 self._internal_error("materialize", exc)
                 return
+            finally:
+                # Scheduling the cut chains is work the decode's next step would do anyway (the
+                # CPU backend spends ~0.3 ms here per step on a hybrid model): charged to the walk
+                # budget, it would starve the walks and leave fix mode without fresh forecasts.
+                self._budget_spent -= time.thread_time() - scheduling
         with self._lock:
             # What the cut chains would have kept: the growth the probes measured, per step.
             per_step = self._probed_growth if self._probed_growth is not None else max(0.0, self._rate)
@@ -386,13 +407,15 @@ class Watchdog:
                 self._fixed_once = True
                 self._update_leaks()
 
-    def _resolve_arrays(self, roots: Any) -> list[mx.array]:
+    def _resolve_arrays(self, roots: Any, paths: Optional[list[tuple]] = None) -> list[mx.array]:
         """The arrays at the paths found by the last walk, re-read without a walk."""
-        if self._paths is None:
-            result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
-            self._paths = [f.steps for f in result.found if all(kind != "set" for kind, _ in f.steps)]
+        if paths is None:
+            if self._paths is None:
+                result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
+                self._paths = [f.steps for f in result.found if all(kind != "set" for kind, _ in f.steps)]
+            paths = self._paths
         arrays = []
-        for steps in self._paths:
+        for steps in paths:
             try:
                 value = resolve(roots, steps)
             except Exception:  # the structure changed: the next walk will see the new one

@@ -1,0 +1,265 @@
+"""Helpers shared by the tests that run real servers on loopback: free ports, required system
+binaries (Prometheus, promtool, Alertmanager), starting and stopping those servers, and small
+HTTP / PromQL clients.
+
+Policy for missing binaries: locally a test that needs one skips with a loud reason (printed to
+stderr and raised as a warning); under CI=true it fails, so CI never passes by skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import pytest
+
+LOOPBACK = "127.0.0.1"
+JOB = "mlx-watchdog"  # the job name the alert rules select on (up{job="mlx-watchdog"})
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+# Which Debian package ships each binary, for the "install it" hint.
+_PACKAGES = {
+    "prometheus": "prometheus",
+    "promtool": "prometheus",
+    "prometheus-alertmanager": "prometheus-alertmanager",
+    "alertmanager": "prometheus-alertmanager",
+}
+
+
+# --------------------------------------------------------------------------- ports
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free on 127.0.0.1 (checked by binding them all)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"free_port_run needs n >= 1 ports, got {n!r}")
+    for _ in range(200):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        sockets = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(s)
+                s.bind((LOOPBACK, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found on {LOOPBACK}")
+
+
+# --------------------------------------------------------------------------- binaries
+
+def find_binary(*names: str) -> Optional[str]:
+    """The path of the first of ``names`` on PATH or in /usr/bin, else None."""
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+        if Path("/usr/bin", name).exists():
+            return str(Path("/usr/bin", name))
+    return None
+
+
+def missing(message: str) -> None:
+    """Fail under CI=true; otherwise skip loudly (stderr, a warning and the skip reason)."""
+    if IN_CI:
+        pytest.fail(message)
+    print(f"\n*** WARNING: {message} ***", file=sys.stderr)
+    warnings.warn(message)
+    pytest.skip(f"*** {message} ***")
+
+
+def require_binary(*names: str) -> str:
+    """The path of the first of ``names`` found; skips loudly (fails in CI) when none is."""
+    if not names:
+        raise ValueError("require_binary needs at least one binary name")
+    path = find_binary(*names)
+    if path:
+        return path
+    packages = sorted({_PACKAGES.get(name, name) for name in names})
+    missing(f"{' / '.join(names)} NOT INSTALLED: this test cannot run. Install Debian's "
+            f"{' and '.join(f'`{p}`' for p in packages)} package (make system-deps); "
+            "under CI=true this is a failure.")
+    raise AssertionError("unreachable")  # missing() always raises
+
+
+# --------------------------------------------------------------------------- processes
+
+def log_tail(path: Path, n: int = 3000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def start_process(cmd: Sequence[str], log: Path, *, new_session: bool = False) -> subprocess.Popen:
+    """Start ``cmd`` with stdout and stderr going to ``log`` and no stdin."""
+    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=new_session)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30, log: Optional[Path] = None) -> None:
+    """Poll ``url`` until it answers 200; fail the test (after stopping ``proc``) if the process
+    exits first or ``timeout`` seconds pass. ``log`` is quoted in the failure."""
+    name = Path(str(proc.args[0])).name if isinstance(proc.args, (list, tuple)) else str(proc.args)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{name} exited with {proc.returncode} before {url} was ready:\n"
+                        f"{log_tail(log) if log else ''}")
+        try:
+            if http_get(url, timeout=1)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    stop_process(proc)
+    pytest.fail(f"{name} not ready at {url} after {timeout} s:\n{log_tail(log) if log else ''}")
+
+
+def stop_process(proc: Optional[subprocess.Popen], timeout: float = 10, *, group: bool = False) -> None:
+    """Stop ``proc``: terminate, wait up to ``timeout`` s, then kill. With ``group=True`` (a process
+    started with ``new_session=True`` that has children, e.g. a launcher) kill its whole process
+    group at once: a launcher may not pass SIGTERM on to its children."""
+    if proc is None or proc.poll() is not None:
+        return  # already exited and reaped: its pid may belong to someone else now
+    if group:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=timeout)
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
+
+
+# --------------------------------------------------------------------------- Prometheus, Alertmanager
+
+def start_prometheus(
+    tmp_path: Path,
+    targets: Iterable[str] = (),
+    *,
+    rule_files: Iterable[Path] = (),
+    alertmanager_url: Optional[str] = None,
+    extra_flags: Sequence[str] = (),
+    storage: Optional[Path] = None,
+    interval: str = "1s",
+    timeout: float = 30,
+) -> tuple[subprocess.Popen, str]:
+    """Start Prometheus on a free loopback port with a config written to
+    ``tmp_path/prometheus.yml``: job ``mlx-watchdog`` scraping ``targets`` (host:port) every
+    ``interval``, rules evaluated every ``interval``, alerts sent to ``alertmanager_url``.
+    Waits for ``/-/ready``. Returns (process, base URL); the caller stops the process
+    (``stop_process``). The log is ``tmp_path/prometheus.log``."""
+    binary = require_binary("prometheus")
+    tmp_path = Path(tmp_path)
+    targets = list(targets)
+    config = {
+        "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
+        "scrape_configs": [{"job_name": JOB, "static_configs": [{"targets": targets}]}] if targets else [],
+    }
+    rule_files = [str(p) for p in rule_files]
+    if rule_files:
+        config["rule_files"] = rule_files
+    if alertmanager_url:
+        host = urllib.parse.urlsplit(alertmanager_url).netloc
+        config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [host]}]}]}
+    path = tmp_path / "prometheus.yml"
+    path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+    port = free_port()
+    log = tmp_path / "prometheus.log"
+    proc = start_process(
+        [binary, f"--config.file={path}", f"--storage.tsdb.path={storage or tmp_path / 'data'}",
+         f"--web.listen-address={LOOPBACK}:{port}", *extra_flags], log)
+    base = f"http://{LOOPBACK}:{port}"
+    wait_ready(base + "/-/ready", proc, timeout, log)
+    return proc, base
+
+
+def start_alertmanager(tmp_path: Path, config: Path, timeout: float = 30) -> tuple[subprocess.Popen, str]:
+    """Start Alertmanager on a free loopback port with ``config``, clustering off, its state in
+    ``tmp_path/alertmanager``. Waits for ``/-/ready``; returns (process, base URL). The log is
+    ``tmp_path/alertmanager.log``."""
+    binary = require_binary("prometheus-alertmanager", "alertmanager")
+    storage = Path(tmp_path) / "alertmanager"
+    storage.mkdir(exist_ok=True)
+    port = free_port()
+    log = Path(tmp_path) / "alertmanager.log"
+    proc = start_process(
+        [binary, f"--config.file={config}", f"--storage.path={storage}",
+         f"--web.listen-address={LOOPBACK}:{port}",
+         "--cluster.listen-address="],  # empty: no gossip port, no peers
+        log)
+    base = f"http://{LOOPBACK}:{port}"
+    wait_ready(base + "/-/ready", proc, timeout, log)
+    return proc, base
+
+
+# --------------------------------------------------------------------------- HTTP
+
+def http_get(url: str, timeout: float = 5, context=None) -> tuple[int, bytes]:
+    """(status, body); an HTTP error status is returned, not raised (its body is the reason).
+    Connection errors raise OSError."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def prom_api(base: str, path: str, *, method: str = "POST", timeout: float = 10, **params) -> dict:
+    """Call a Prometheus HTTP API path with ``params`` (form-encoded for POST, in the URL for
+    GET; some paths, e.g. /api/v1/rules, are GET only). The JSON reply, errors included (a bad
+    query answers 400 with ``status: error``)."""
+    encoded = urllib.parse.urlencode(params, doseq=True)
+    if method == "GET":
+        request = urllib.request.Request(base + path + (f"?{encoded}" if encoded else ""), method="GET")
+    elif method == "POST":
+        request = urllib.request.Request(base + path, data=encoded.encode(), method="POST")
+    else:
+        raise ValueError(f"method must be GET or POST, got {method!r}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        try:
+            return json.loads(body)
+        except ValueError:  # not the API's JSON error (e.g. 405 Method Not Allowed)
+            return {"status": "error", "errorType": f"http {exc.code}", "error": body.decode(errors="replace")}
+
+
+def prom_query(base: str, expr: str, **params) -> list[dict]:
+    """The result list of an instant query; fails the test with Prometheus' error if any."""
+    reply = prom_api(base, "/api/v1/query", query=expr, **params)
+    assert reply.get("status") == "success", f"query {expr!r}: {reply}"
+    return reply["data"]["result"]
