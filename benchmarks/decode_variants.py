@@ -1,0 +1,266 @@
+"""Models, decode loops and the compared variants for ``decode_tokens_per_s.py``.
+
+Every variant decodes the same random-weight model with greedy sampling; only what happens
+around each forward pass differs:
+
+* ``unwatched``       the model as mlx-lm runs it
+* ``aa``              unwatched again: an A/A control, its difference to ``unwatched`` is the noise floor
+* ``handfix``         the hand-written fix users apply today: a model wrapper that runs
+                      ``mx.eval([c.state for c in cache])`` after every forward (synchronous)
+* ``every256``        the same evaluation every 256 forwards, as some servers do
+* ``watched``         ``watch_model(model, Watchdog())`` (fix off)
+* ``fix``             ``Watchdog(fix=True)`` with its default ``fix_every``
+* ``fix4``, ``fix16`` ``Watchdog(fix=True, fix_every=4 / 16)`` (to choose the default)
+* ``fixlow``          ``fix`` with a walk budget (``overhead_budget``) of 0.25% instead of 1%
+
+Needs only mlx, mlx-lm, numpy and mlx_watchdog (no prometheus/psutil/rich).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Any, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_watchdog import Watchdog
+from mlx_watchdog.attach import unwatch_model, watch_model
+from mlx_watchdog.graph import account
+from mlx_watchdog.introspect import find_arrays
+from mlx_watchdog.tiny import build_model, tiny_prompts
+
+VARIANTS = ("unwatched", "aa", "handfix", "every256", "watched", "fix", "fix4", "fix16", "fixlow")
+LOW_BUDGET = 0.0025  # walk budget of ``fixlow`` (the default is 0.01)
+
+
+def shape_overrides(model_type: str, hidden: int, vocab: int, experts: int) -> dict:
+    """Config overrides that scale tiny's model to ``hidden`` wide (heads of 64 up to hidden
+    1024, of 128 above, a quarter as many KV heads, an MLP 4x wide for llama)."""
+    head_dim = 64 if hidden <= 1024 else 128
+    heads = max(1, hidden // head_dim)
+    kv_heads = max(1, heads // 4)
+    common = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  head_dim=head_dim, vocab_size=vocab)
+    if model_type == "llama":
+        return dict(common, intermediate_size=4 * hidden)
+    if model_type == "qwen3_next":
+        linear_head = 64 if hidden <= 1024 else 128
+        return dict(
+            common,
+            intermediate_size=2 * hidden,
+            num_experts=experts,
+            num_experts_per_tok=min(experts, max(2, experts // 8)),
+            moe_intermediate_size=max(32, hidden // 4),
+            shared_expert_intermediate_size=max(32, hidden // 2),
+            linear_num_value_heads=max(2, hidden // linear_head),
+            linear_num_key_heads=max(1, hidden // (2 * linear_head)),
+            linear_key_head_dim=linear_head,
+            linear_value_head_dim=linear_head,
+        )
+    raise ValueError(f"model_type must be 'llama' or 'qwen3_next', got {model_type!r}")
+
+
+def make_model(model_type: str, layers: int, hidden: int, vocab: int, dtype: str, experts: int,
+               seed: int = 0):
+    """A random-weight model. Built in float32, then cast: tiny.build_model refuses MoE models
+    in other dtypes wherever Metal is absent, but MLX's CUDA backend runs them."""
+    target = getattr(mx, dtype, None)
+    if not isinstance(target, mx.Dtype) or not mx.issubdtype(target, mx.floating):
+        raise ValueError(f"--dtype must be a floating MLX dtype (float32, bfloat16, float16), got {dtype!r}")
+    if model_type == "qwen3_next" and target != mx.float32 and mx.default_device() == mx.cpu:
+        raise ValueError("MLX's CPU backend runs qwen3_next's MoE (GatherMM) only in float32: use --dtype float32")
+    overrides = shape_overrides(model_type, hidden, vocab, experts) if hidden else {"vocab_size": vocab}
+    model = build_model(model_type, layers=layers, seed=seed, **overrides)
+    if target != mx.float32:
+        model.set_dtype(target)  # floating parameters only
+        mx.eval(model.parameters())
+    return model
+
+
+def cache_state(cache: Any) -> list:
+    """What the hand-written fix evaluates: the ``state`` of every cache (as users write it)."""
+    return [c.state for c in cache]
+
+
+class EvalCacheWrapper:
+    """The hand-written fix: after every ``every``-th forward, ``mx.eval`` every cache's state
+    (synchronous: the decode waits for the device). Other attributes come from the model."""
+
+    def __init__(self, model: Any, every: int):
+        self.model = model
+        self.every = every
+        self.calls = 0
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        out = self.model(inputs, cache=cache, **kwargs)
+        self.calls += 1
+        if cache is not None and self.calls % self.every == 0:
+            mx.eval(cache_state(cache))
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def watchdog_for(variant: str) -> Optional[Watchdog]:
+    if variant == "watched":
+        return Watchdog(export=False)
+    if variant == "fix":
+        return Watchdog(export=False, fix=True)
+    if variant == "fixlow":
+        return Watchdog(export=False, fix=True, overhead_budget=LOW_BUDGET)
+    if variant.startswith("fix") and variant[3:].isdigit():
+        return Watchdog(export=False, fix=True, fix_every=int(variant[3:]))
+    return None
+
+
+class Decode:
+    """One variant's decode, advanced a chunk of steps at a time so the variants can take
+    turns on the machine. All variants share one model object: ``attach`` gives it the
+    variant's watchdog (or none) before each chunk."""
+
+    def __init__(self, model, variant: str, path: str, prompts: list[list[int]], steps: int):
+        self.model, self.variant, self.path = model, variant, path
+        self.wd = watchdog_for(variant)
+        if variant == "handfix":
+            self.fn = EvalCacheWrapper(model, 1)
+        elif variant == "every256":
+            self.fn = EvalCacheWrapper(model, 256)
+        elif variant in ("unwatched", "aa") or self.wd is not None:
+            self.fn = model
+        else:
+            raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+        self.attach()
+        if path == "plain":
+            self.cache = make_prompt_cache(model)
+            self.outputs = [[]]
+            self._steps = generate_step(mx.array(prompts[0]), self.fn, max_tokens=steps + 2,
+                                        prompt_cache=self.cache)
+        elif path == "batched":
+            self.gen = BatchGenerator(self.fn, max_tokens=steps + 8)
+            self.uids = self.gen.insert(prompts)
+            self.outputs = [[] for _ in self.uids]
+        else:
+            raise ValueError(f"path must be 'plain' or 'batched', got {path!r}")
+        self.advance(1)  # prefill and the first token: not decode, not timed
+        mx.synchronize()
+        self._paused_at = time.perf_counter()
+        self.seconds = 0.0
+        self.cpu_seconds = 0.0  # CPU time of the whole process (all threads) in the chunks
+        self.tokens = 0
+        self.overhead0 = self.wd.overhead_seconds if self.wd else None
+
+    def attach(self) -> None:
+        if self.wd is not None:
+            watch_model(self.model, self.wd)
+        else:
+            unwatch_model(self.model)
+
+    def advance(self, steps: int) -> int:
+        """Decode ``steps`` steps; returns the tokens produced."""
+        produced = 0
+        if self.path == "plain":
+            for _ in range(steps):
+                token, _ = next(self._steps)
+                self.outputs[0].append(token)
+                produced += 1
+        else:
+            index = {uid: i for i, uid in enumerate(self.uids)}
+            for _ in range(steps):
+                for r in self.gen.next_generated():
+                    self.outputs[index[r.uid]].append(r.token)
+                    produced += 1
+        return produced
+
+    def timed_chunk(self, steps: int) -> None:
+        self.attach()
+        self._resume_clock()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        produced = self.advance(steps)
+        mx.synchronize()  # this chunk's device work is paid by this chunk
+        self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - cpu_start
+        self.tokens += produced
+        self._paused_at = time.perf_counter()
+
+    def _resume_clock(self) -> None:
+        """The watchdog budgets its walks as a fraction of the wall time since its first step.
+        Taking turns, that wall time would include the other variants' turns and grant it
+        several times its budget: move its start forward by the time it sat out, as if it
+        had run alone. (Reads a private attribute: benchmark only.)"""
+        if self.wd is None:
+            return
+        sat_out = time.perf_counter() - self._paused_at
+        for name in ("_started", "_series_started"):
+            if getattr(self.wd, name, None) is not None:
+                setattr(self.wd, name, getattr(self.wd, name) + sat_out)
+
+    def live_cache(self):
+        return self.cache if self.path == "plain" else self.gen._generation_batch.prompt_cache
+
+    def finish(self) -> "Run":
+        run = Run(self.variant, self.tokens, self.seconds, self.cpu_seconds, outputs=self.outputs)
+        if self.wd is not None:
+            run.overhead_seconds = self.wd.overhead_seconds - self.overhead0
+            run.walks = self.wd.walks
+            run.materialized = self.wd.materialized_arrays
+        run.retained_at_end = _retained(self.live_cache())  # walked after the timed chunks
+        if self.path == "plain":
+            self._steps.close()
+        else:
+            self.gen.close()
+        unwatch_model(self.model)
+        return run
+
+
+@dataclasses.dataclass
+class Run:
+    variant: str
+    tokens: int  # decode tokens timed (all sequences of the batch)
+    seconds: float  # decode time: the sum of this variant's chunks
+    cpu_seconds: float  # process CPU time (all threads) over the same chunks
+    overhead_seconds: Optional[float] = None  # wd.overhead_seconds over the timed decode
+    walks: Optional[int] = None
+    materialized: Optional[int] = None
+    retained_at_end: Optional[int] = None  # buffers the cache's pending graphs keep at the end
+    outputs: Optional[list] = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def cpu_ms_per_token(self) -> float:
+        return 1000 * self.cpu_seconds / self.tokens
+
+
+def _retained(cache) -> int:
+    arrays = [a for _, a in find_arrays(cache)]
+    return account(arrays).retained_buffers if arrays else 0
+
+
+def interleaved(model, variants: list[str], path: str, prompts, steps: int, chunk: int,
+                seed: int = 0) -> list[Run]:
+    """One repetition: a fresh decode per variant, advanced in turns of ``chunk`` steps. Each
+    round runs every variant once, in a fresh random order: no variant always goes first or
+    always follows the same one (whatever a turn leaves behind, such as garbage to collect or
+    a cleared allocator cache, lands on a different variant each time)."""
+    order = random.Random(seed)
+    decodes = [Decode(model, v, path, prompts, steps) for v in variants]
+    done = 0
+    while done < steps:
+        k = min(chunk, steps - done)
+        for d in order.sample(decodes, len(decodes)):
+            d.timed_chunk(k)
+        done += k
+    return [d.finish() for d in decodes]
+
+
+def prompts_for(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``batch`` prompts of equal length: the case where BatchGenerator keeps left_padding."""
+    return tiny_prompts(batch, length, vocab, seed=seed)
+

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Decode tokens/s on a GPU (MLX's CUDA backend), for issue 3's benchmark. Run from the repository
+# root on the GPU machine, with mlx (CUDA), mlx-lm, numpy and this project importable, e.g.:
+#
+#   pip install --no-deps --target /tmp/site . && export PYTHONPATH=/tmp/site
+#   OUT=/some/folder bash benchmarks/gpu_run.sh [all|llama|qwen3_next|long]
+#
+# Parts (each fits in a 10-minute command on an H200; "all" runs the first two):
+#   llama       leak-free dense llama, realistic shape (48 layers, hidden 2048, random bf16 weights),
+#               through generate_step: every variant, 600 steps x 5 interleaved repetitions
+#   qwen3_next  the leaking hybrid through BatchGenerator (48 layers, 36 linear-attention layers,
+#               hidden 2048, 32 experts, bf16), 4 equal-length prompts: every variant, 300 steps x 3
+#   long        the leaking model over 10,000 steps: unwatched, watched+fix (1 repetition)
+# Results (markdown) go to $OUT/decode_gpu.md, progress to $OUT/decode_gpu.log.
+set -euo pipefail
+: "${OUT:?set OUT to the folder for the results}"
+PY=${PYTHON:-python3}
+PART=${1:-all}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+RESULT="$OUT/decode_gpu.md"
+LOG="$OUT/decode_gpu.log"
+
+"$PY" - <<'EOF' | tee -a "$RESULT"
+import mlx.core as mx, platform
+info = {}
+try:
+    info = mx.device_info()
+except Exception:
+    pass
+name = info.get("device_name") or info.get("architecture") or "?"
+print(f"\n## GPU run: MLX {mx.__version__}, default device {mx.default_device()}, {name}, "
+      f"resource_limit {info.get('resource_limit', 'n/a')}, {platform.machine()}\n")
+EOF
+
+# EXTRA: arguments appended to every run (later ones win), e.g. a smoke test anywhere:
+#   EXTRA="--layers 4 --hidden 64 --vocab 512 --dtype float32 --steps 20 --reps 1" OUT=/tmp/x bash benchmarks/gpu_run.sh
+bench() { "$PY" benchmarks/decode_tokens_per_s.py "$@" ${EXTRA:-} --out "$RESULT" 2>>"$LOG"; }
+
+LLAMA=(--model llama --layers 48 --hidden 2048 --vocab 32000 --dtype bfloat16 --prompt-len 128)
+QWEN=(--model qwen3_next --layers 48 --hidden 2048 --vocab 32000 --experts 32 --dtype bfloat16 --batch 4 --prompt-len 128)
+
+ALL=unwatched,aa,handfix,every256,watched,fix,fix4,fix16
+
+case "$PART" in
+  llama) bench "${LLAMA[@]}" --steps 600 --reps 5 --chunk 100 --variants "$ALL" ;;
+  qwen3_next) bench "${QWEN[@]}" --steps 300 --reps 3 --chunk 100 --variants "$ALL" ;;
+  long) bench "${QWEN[@]}" --long --steps 10000 --reps 1 --chunk 500 --variants unwatched,fix ;;
+  all)
+    bench "${LLAMA[@]}" --steps 600 --reps 5 --chunk 100 --variants "$ALL"
+    bench "${QWEN[@]}" --steps 300 --reps 3 --chunk 100 --variants "$ALL"
+    ;;
+  *) echo "unknown part $PART (all|llama|qwen3_next|long)" >&2; exit 2 ;;
+esac
+echo "results in $RESULT"

@@ -1,0 +1,528 @@
+"""Fix mode and the actions before the limit (issue 3).
+
+``Watchdog(fix=True)`` materializes the cache arrays a step left pending. It must not change
+outputs (greedy decode token for token and logprob for logprob, plain and batched paths, the
+cache kinds mlx-lm has), must cut mlx-lm's live batched leak, must never compute what the
+program would not have, must not stall the decode pipeline, and must swallow its own errors.
+``warn_within``, ``on_forecast`` and ``stop_within`` act before the limit.
+"""
+
+import logging
+import os
+import sys
+import time
+import types
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator, stream_generate
+from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+from mlx_watchdog import Forecast, ResourceLimitForecast, Watchdog, core, find_arrays, tiny
+from mlx_watchdog.attach import unwatch_model, watch_model
+from mlx_watchdog.graph import account, is_evaluated
+
+LEAK_LAYERS = 4  # qwen3_next, full attention every 4th layer: 3 linear-attention layers
+LEAK_RATE = LEAK_LAYERS - LEAK_LAYERS // 4 - 1  # (linear layers - 1) buffers per batched step
+LEAK_SITE = "ArraysCache.left_padding"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+_models: dict = {}
+
+
+def model(model_type: str, layers: int = 2):
+    """Tiny random-weight models, built once per test module (they are never modified;
+    every test that watches one unwatches it again)."""
+    key = (model_type, layers)
+    if key not in _models:
+        _models[key] = tiny.build_model(model_type, layers=layers)
+    return _models[key]
+
+
+@pytest.fixture
+def watching():
+    """watch_model(model, watchdog) for the test, unwatched again whatever happens."""
+    watched = []
+
+    def attach(m, wd):
+        watched.append(m)
+        return watch_model(m, wd)
+
+    yield attach
+    for m in watched:
+        unwatch_model(m)
+
+
+def _tokenizer():
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tiny.build_tokenizer(512), eos_token=tiny.EOS_TOKEN)
+    return TokenizerWrapper(fast)
+
+
+TOKENIZER = _tokenizer()
+
+
+def plain_decode(m, prompt, n, **kwargs):
+    """Greedy stream_generate: (tokens, logprobs)."""
+    tokens, logprobs = [], []
+    for r in stream_generate(m, TOKENIZER, prompt, max_tokens=n, **kwargs):
+        tokens.append(r.token)
+        logprobs.append(r.logprobs)
+    return tokens, logprobs
+
+
+def batched_decode(m, prompts, n, *, on_step=None, **kwargs):
+    """Greedy BatchGenerator decode of ``n`` steps: (tokens per prompt, logprobs per prompt).
+    ``on_step(step, generator)`` runs after each step."""
+    gen = BatchGenerator(m, max_tokens=n + 8, **kwargs)
+    try:
+        uids = gen.insert(prompts)
+        tokens = {u: [] for u in uids}
+        logprobs = {u: [] for u in uids}
+        for step in range(1, n + 1):
+            for r in gen.next_generated():
+                tokens[r.uid].append(r.token)
+                logprobs[r.uid].append(r.logprobs)
+            if on_step is not None:
+                on_step(step, gen)
+    finally:
+        gen.close()
+    return [tokens[u] for u in uids], [logprobs[u] for u in uids]
+
+
+def assert_identical(expected, got):
+    (tokens_a, logprobs_a), (tokens_b, logprobs_b) = expected, got
+    assert tokens_b == tokens_a
+    flat_a = [x for seq in logprobs_a for x in (seq if isinstance(seq, list) else [seq])]
+    flat_b = [x for seq in logprobs_b for x in (seq if isinstance(seq, list) else [seq])]
+    assert len(flat_a) == len(flat_b) > 0
+    assert all(mx.array_equal(a, b).item() for a, b in zip(flat_a, flat_b)), "logprobs differ bit for bit"
+
+
+def spy_roots(wd):
+    """Record the roots every observe() receives (to check which cache kind a decode used)."""
+    seen = []
+    observe = wd.observe
+
+    def spy(roots, **kwargs):
+        seen.append(roots)
+        return observe(roots, **kwargs)
+
+    wd.observe = spy
+    return seen
+
+
+class Proxy(types.ModuleType):
+    """Stands in for a module (``mlx.core``, ``time``) inside one of our modules only: overrides
+    what the test replaces and forwards the rest, so everyone else's calls are untouched."""
+
+    def __init__(self, module, **overrides):
+        super().__init__(f"{module.__name__}_proxy")
+        self._module = module
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+def MxProxy(**overrides):
+    return Proxy(mx, **overrides)
+
+
+def live_cache_arrays(gen):
+    return [a for _, a in find_arrays(gen._generation_batch.prompt_cache)]
+
+
+PROMPT = tiny.tiny_prompts(1, 8, seed=3)[0]  # no early EOS from any of the tiny models
+PROMPTS = tiny.tiny_prompts(2, 8, seed=2)  # equal lengths: BatchGenerator keeps left_padding
+
+
+# ----------------------------------------------------------------------------- outputs unchanged
+
+PLAIN_CASES = {
+    "llama": ("llama", 2, {}, None),
+    "qwen3_next": ("qwen3_next", LEAK_LAYERS, {}, ArraysCache),
+    "deepseek_v41": ("deepseek_v41", 4, {}, None),
+    # qwen3 has no make_cache, so max_kv_size gives it RotatingKVCache (llama's make_cache wins).
+    "rotating": ("qwen3", 2, {"max_kv_size": 16}, RotatingKVCache),
+    "quantized": ("llama", 2, {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 0}, QuantizedKVCache),
+}
+
+
+@pytest.mark.parametrize("case", list(PLAIN_CASES))
+def test_plain_decode_is_identical_with_fix(case, watching):
+    model_type, layers, kwargs, cache_kind = PLAIN_CASES[case]
+    m = model(model_type, layers)
+    n = 40  # with 8 prompt tokens, past the rotating window of 16
+    expected = plain_decode(m, PROMPT, n, **kwargs)
+    assert len(expected[0]) == n
+    wd = Watchdog(fix=True, fix_every=1, export=False)  # the fix at every step
+    seen = spy_roots(wd)
+    watching(m, wd)
+    got = plain_decode(m, PROMPT, n, **kwargs)
+    assert_identical(expected, got)
+    assert wd.steps >= len(expected[0]) and wd.internal_errors == 0
+    if cache_kind is not None:
+        assert any(isinstance(c, cache_kind) for c in seen[-1]), f"the decode did not use {cache_kind.__name__}"
+    if model_type in ("qwen3_next", "deepseek_v41"):
+        # Their caches keep arrays pending between steps: the fix really ran.
+        assert wd.materialized_arrays > 0
+    if case in ("llama", "qwen3_next"):
+        # Nothing leaks on this path: fix mode must not report what it cut as a leak.
+        assert wd.forecast().leaks == () and wd.forecast().buffers_per_step < 0.01
+
+
+BATCHED_CASES = {
+    "llama": ("llama", 2, {}, None),
+    "qwen3_next": ("qwen3_next", LEAK_LAYERS, {}, ArraysCache),
+    "rotating": ("qwen3", 2, {"max_kv_size": 16}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BATCHED_CASES))
+def test_batched_decode_is_identical_with_fix(case, watching):
+    model_type, layers, kwargs, _ = BATCHED_CASES[case]
+    m = model(model_type, layers)
+    n = 40
+    expected = batched_decode(m, PROMPTS, n, **kwargs)
+    wd = Watchdog(fix=True, fix_every=1, export=False)  # the fix at every step
+    seen = spy_roots(wd)
+    watching(m, wd)
+    got = batched_decode(m, PROMPTS, n, **kwargs)
+    assert_identical(expected, got)
+    assert wd.steps >= n and wd.internal_errors == 0
+    if case == "rotating":
+        assert any("Rotating" in type(c).__name__ for c in seen[-1])
+    else:  # BatchKVCache.offset and ArraysCache.left_padding stay pending between steps
+        assert wd.materialized_arrays > 0
+
+
+def test_deepseek_v41_cannot_be_batched_watched_or_not(watching):
+    """mlx-lm 0.32.2's BatchGenerator cannot merge deepseek_v41's LayerCache, so its fix is
+    tested on the plain path only; the watchdog does not change that error."""
+    m = model("deepseek_v41", 4)
+    for wd in (None, Watchdog(fix=True, export=False)):
+        if wd is not None:
+            watching(m, wd)
+        gen = BatchGenerator(m, max_tokens=4)
+        gen.insert(PROMPTS)
+        with pytest.raises(ValueError, match="does not yet support batching"):
+            gen.next_generated()
+        gen.close()
+
+
+# ----------------------------------------------------------------------------- the live leak
+
+
+def test_fix_cuts_the_live_batched_leak(watching):
+    m = model("qwen3_next", LEAK_LAYERS)
+    # Baseline, fix off: the leak is there (rate and retained buffers grow).
+    base = Watchdog(export=False)
+    watching(m, base)
+    retained_base = []
+    base_tokens, _ = batched_decode(m, PROMPTS, 300, on_step=lambda s, g: s == 300 and retained_base.append(
+        account(live_cache_arrays(g)).retained_buffers))
+    assert base.forecast().buffers_per_step == pytest.approx(LEAK_RATE, rel=0.05)
+    assert retained_base[0] >= 0.9 * LEAK_RATE * 300
+
+    wd = Watchdog(fix=True, export=False)
+    watching(m, wd)
+    steps = 2000
+    retained = []
+    tokens, _ = batched_decode(m, PROMPTS, steps, on_step=lambda s, g: s % 500 == 0 and retained.append(
+        account(live_cache_arrays(g)).retained_buffers))
+    forecast = wd.forecast()
+    assert forecast.step >= steps
+    assert forecast.buffers_per_step < 0.01
+    # The chains really are cut: what the cache's pending graphs keep (at most fix_every steps'
+    # worth) stays flat, far below what the leak held after only 300 steps.
+    chain = (wd.fix_every + 1) * LEAK_RATE
+    assert max(retained) - min(retained) <= chain + LEAK_LAYERS, retained
+    assert max(retained) < retained_base[0] / 5, retained
+    # The site is still named, with the growth the fix reclaims.
+    assert forecast.leaks and forecast.leaks[0].site == LEAK_SITE
+    assert forecast.leaks[0].buffers_per_step == pytest.approx(LEAK_RATE, rel=0.05)
+    assert wd.materialized_arrays >= steps // (2 * wd.fix_every)
+    assert wd.reclaimed_buffers == pytest.approx(LEAK_RATE * steps, rel=0.1)
+    assert wd.internal_errors == 0
+    assert [t[:300] for t in tokens] == base_tokens
+
+
+# ----------------------------------------------------------------------------- actions
+
+
+def _resident_at_start(m, watching) -> int:
+    """The watchdog's resident estimate a few steps into the batched decode (parameters +
+    cache), to place a small limit just above it."""
+    wd = Watchdog(export=False)
+    watching(m, wd)
+    batched_decode(m, PROMPTS, 8)
+    return wd.forecast().resident_buffers
+
+
+def test_warn_within_logs_once_a_minute_naming_the_top_site(watching, caplog, monkeypatch):
+    m = model("qwen3_next", LEAK_LAYERS)
+    limit = _resident_at_start(m, watching) + 100_000
+    received = []
+    # A large walk budget: this test is about the warning, not about sampling.
+    wd = Watchdog(limit, warn_within=1_000_000, on_forecast=received.append, overhead_budget=1.0, export=False)
+    watching(m, wd)
+    caplog.set_level(logging.WARNING, logger="mlx_watchdog")
+
+    def warnings():
+        return [r for r in caplog.records if r.name == "mlx_watchdog" and "resource limit forecast" in r.getMessage()]
+
+    batched_decode(m, PROMPTS, 60)
+    assert len(warnings()) == 1
+    record = warnings()[0]
+    assert record.levelno == logging.WARNING and LEAK_SITE in record.getMessage()
+    # on_forecast gets a Forecast after each walk.
+    assert len(received) == wd.walks > 1
+    assert all(isinstance(f, Forecast) for f in received)
+    assert received[-1].leaks[0].site == LEAK_SITE and received[-1].buffers_per_step > 0
+
+    # A second crossing within the minute (the forecast is reset, then crosses again): no new record.
+    wd.reset()
+    assert wd.forecast().steps_to_limit == float("inf")
+    batched_decode(m, PROMPTS, 30)
+    assert wd.forecast().steps_to_limit < 1_000_000
+    assert len(warnings()) == 1
+    # A minute later it warns again.
+    later = time.monotonic() + 61
+    monkeypatch.setattr(core, "time", Proxy(time, monotonic=lambda: later))
+    batched_decode(m, PROMPTS, 5)
+    assert len(warnings()) == 2
+
+
+def test_stop_within_raises_before_the_limit_and_fix_prevents_it(watching):
+    m = model("qwen3_next", LEAK_LAYERS)
+    limit = _resident_at_start(m, watching) + 200 * LEAK_RATE  # reached after ~200 leaking steps
+    wd = Watchdog(limit, stop_within=50, export=False)
+    watching(m, wd)
+    state = {}
+
+    def at_step(step, gen):
+        state["step"] = step
+        state["arrays"] = live_cache_arrays(gen)
+
+    with pytest.raises(ResourceLimitForecast) as info:
+        batched_decode(m, PROMPTS, 400, on_step=at_step)
+    exc = info.value
+    assert isinstance(exc, RuntimeError) and exc.reason == "forecast"
+    assert exc.forecast.steps_to_limit <= 50
+    assert exc.forecast.resident_buffers < limit
+    assert exc.forecast.leaks[0].site == LEAK_SITE
+    assert wd.stops["forecast"] == 1
+    assert 100 < state["step"] < 200
+    # Independently of the forecast: what was really resident when it stopped was below the limit.
+    reading = account(state["arrays"])
+    assert wd.forecast().parameter_buffers + reading.evaluated_arrays + reading.retained_buffers < limit
+    # The process and the device are healthy: the next decode runs.
+    unwatch_model(m)
+    assert len(batched_decode(m, PROMPTS, 3)[0][0]) == 3
+
+    # Same limit with the fix: 400 steps (twice what the leak needed to reach it), no stop.
+    fixed = Watchdog(limit, stop_within=50, fix=True, export=False)
+    watching(m, fixed)
+    batched_decode(m, PROMPTS, 400)
+    assert fixed.stops["forecast"] == 0 and fixed.steps >= 400
+    assert fixed.forecast().resident_buffers < limit
+
+
+def test_a_failing_on_forecast_callback_is_counted_not_raised():
+    def broken(forecast):
+        raise ValueError("user callback bug")
+
+    wd = Watchdog(on_forecast=broken, export=False)
+    cache = ScalarChain()
+    for _ in range(20):
+        wd.observe(cache)
+        cache.step()
+    assert wd.walks > 0 and wd.internal_errors == wd.walks
+    assert wd.forecast().buffers_per_step == pytest.approx(1.0, rel=0.05)
+
+
+class GrowingList:
+    """Real growth the fix cannot cut: one more evaluated buffer held every step."""
+
+    def __init__(self):
+        self.blocks = []
+
+    def step(self):
+        self.blocks.append(mx.array([len(self.blocks)]))
+        mx.eval(self.blocks[-1])
+
+
+def test_stop_within_with_fix_still_stops_when_materializing_does_not_help():
+    wd = Watchdog(300, stop_within=50, fix=True, export=False)
+    cache = GrowingList()
+    with pytest.raises(ResourceLimitForecast) as info:
+        for _ in range(300):
+            wd.observe(cache)
+            cache.step()
+    assert info.value.forecast.buffers_per_step == pytest.approx(1.0, rel=0.05)
+    assert 200 < len(cache.blocks) < 300
+
+
+# ----------------------------------------------------------------------------- safety
+
+
+def test_mlx_error_while_materializing_is_counted_not_raised(watching, monkeypatch, caplog):
+    m = model("qwen3_next", LEAK_LAYERS)
+    expected = batched_decode(m, PROMPTS, 40)
+    calls = []
+
+    def failing_async_eval(*args):
+        calls.append(args)
+        raise RuntimeError("[metal::malloc] Resource limit (499000) exceeded.")
+
+    monkeypatch.setattr(core, "mx", MxProxy(async_eval=failing_async_eval))
+    wd = Watchdog(fix=True, export=False)
+    watching(m, wd)
+    caplog.set_level(logging.WARNING, logger="mlx_watchdog")
+    got = batched_decode(m, PROMPTS, 40)
+    assert calls, "the fix never tried to materialize"
+    assert wd.internal_errors == len(calls)
+    assert wd.materialized_arrays == 0
+    assert any("internal error" in r.getMessage() for r in caplog.records if r.name == "mlx_watchdog")
+    assert_identical(expected, got)
+    # Nothing was fixed, and the forecast does not pretend otherwise.
+    assert wd.forecast().buffers_per_step == pytest.approx(LEAK_RATE, rel=0.05)
+
+
+def test_graphs_the_program_never_evaluates_are_not_computed(watching):
+    """Like mlx-lm's own model tests: forward passes whose outputs are never evaluated."""
+    m = model("qwen3_next", LEAK_LAYERS)
+    wd = Watchdog(fix=True, export=False)
+    watching(m, wd)
+    cache = make_prompt_cache(m)
+    outputs = [m(mx.array([PROMPT]), cache=cache)]
+    for token in range(5):
+        outputs.append(m(mx.array([[token]]), cache=cache))
+    arrays = [a for _, a in find_arrays(cache)]
+    assert arrays and not any(is_evaluated(a) for a in arrays)
+    assert not any(is_evaluated(o) for o in outputs)
+    assert wd.materialized_arrays == 0 and wd.steps == 6
+
+    # The contrast: the same loop evaluating each output lets the fix materialize what the
+    # output left pending (the linear-attention states).
+    wd2 = Watchdog(fix=True, fix_every=1, export=False)
+    watching(m, wd2)
+    cache = make_prompt_cache(m)
+    mx.eval(m(mx.array([PROMPT]), cache=cache))
+    for token in range(5):
+        mx.eval(m(mx.array([[token]]), cache=cache))
+    assert wd2.materialized_arrays > 0
+
+
+def test_fix_does_not_stall_the_decode_pipeline(watching, monkeypatch):
+    """No synchronous mx.eval / mx.synchronize from the watchdog while it fixes: MLX detaches
+    the graph in async_eval, the device work overlaps the next step."""
+    calls = {"watchdog": 0, "other": 0, "async": 0}
+
+    def counting(name, real):
+        def wrapper(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            calls["watchdog" if caller.startswith("mlx_watchdog") else "other"] += 1
+            return real(*args, **kwargs)
+        return wrapper
+
+    m = model("qwen3_next", LEAK_LAYERS)  # built first: building evaluates its weights
+    monkeypatch.setattr(mx, "eval", counting("eval", mx.eval))
+    monkeypatch.setattr(mx, "synchronize", counting("synchronize", mx.synchronize))
+    real_async = mx.async_eval
+
+    def counting_async(*args):
+        calls["async"] += 1
+        return real_async(*args)
+
+    monkeypatch.setattr(core, "mx", MxProxy(async_eval=counting_async))
+    wd = Watchdog(fix=True, export=False)
+    watching(m, wd)
+    batched_decode(m, PROMPTS, 40)
+    plain_decode(m, PROMPT, 40)
+    assert wd.materialized_arrays > 0 and calls["async"] > 0
+    assert calls["other"] > 0  # the patch is live: mlx-lm's own evals went through it
+    assert calls["watchdog"] == 0
+
+
+class ScalarChain:
+    """``x = x - 1`` each step: one more pending node (and one stranded buffer) per step."""
+
+    def __init__(self):
+        self.x = mx.array(0)
+        mx.eval(self.x)
+
+    def step(self):
+        self.x = self.x - 1
+
+
+@pytest.mark.parametrize("every", [1, 4, 16])
+def test_fix_every_n_steps(every, monkeypatch):
+    fixed_at = []
+    wd = Watchdog(fix=True, fix_every=every, export=False)
+
+    def recording_async_eval(*args):
+        fixed_at.append(wd.steps)
+        return mx.async_eval(*args)
+
+    monkeypatch.setattr(core, "mx", MxProxy(async_eval=recording_async_eval))
+    cache = ScalarChain()
+    longest = 0
+    steps = 400
+    for _ in range(steps):
+        wd.observe(cache)
+        cache.step()
+        longest = max(longest, account([cache.x]).pending_nodes)
+    gaps = {b - a for a, b in zip(fixed_at, fixed_at[1:])}
+    # Never more often than every N steps; a walk's probe may delay a fix by one step.
+    assert gaps and gaps <= {every, every + 1}, gaps
+    assert steps / (every + 1) - 1 <= len(fixed_at) <= steps / every + 1
+    assert longest <= every + 2  # the chain is cut at least every N+1 steps
+    # Unfixed this chain grows 1 buffer/step; cut every N steps it is a sawtooth of height N.
+    assert wd.forecast().buffers_per_step < (0.01 if every == 1 else 0.05)
+
+
+def test_materializing_does_not_starve_the_walks(monkeypatch):
+    """Scheduling the cut chains moves work the decode does anyway (the CPU backend's
+    async_eval of a hybrid model's states takes ~0.3 ms a step): it must not use up the walk
+    budget, or fix mode goes blind after its first steps (no new forecast, so no stop).
+    Two watchdogs side by side, one whose materializing is slow (10% of a step): it must
+    keep walking like the other."""
+    def spin(seconds):  # CPU work (the budget is charged in thread CPU time)
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    slow_cache, fast_cache = ScalarChain(), ScalarChain()
+
+    def async_eval(*args):
+        if any(a is slow_cache.x for a in args[0]):
+            spin(0.001)
+        return mx.async_eval(*args)
+
+    monkeypatch.setattr(core, "mx", MxProxy(async_eval=async_eval))
+    slow, fast = (Watchdog(fix=True, fix_every=1, export=False) for _ in range(2))
+    steps = 300
+    pairs = [(slow, slow_cache), (fast, fast_cache)]
+    for step in range(steps):
+        for wd, cache in pairs if step % 2 else pairs[::-1]:  # alternate: the first one after the
+            wd.observe(cache)                                  # long step walks slower (cold caches)
+            cache.step()
+        spin(0.01)  # the decode step itself
+    assert slow.materialized_arrays >= steps // 3  # the fix ran (every other step while walks are dense)
+    last_slow, last_fast = slow.forecast().measured_step, fast.forecast().measured_step
+    assert last_fast > 100  # walks went on past the start-up credit
+    assert last_slow >= last_fast - 30, (last_slow, last_fast)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])
+def test_bad_fix_every_is_rejected(bad):
+    with pytest.raises(ValueError, match="fix_every"):
+        Watchdog(fix=True, fix_every=bad)
