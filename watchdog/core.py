@@ -37,6 +37,7 @@ except Exception:  # an MLX without mx.distributed: watchdogs stay single-proces
 logger = logging.getLogger("mlx_watchdog")
 
 WALK_CREDIT_SECONDS = 0.05  # walking budget granted up front, so early steps are measured densely
+MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
 SAMPLE_WINDOW = 64  # walks kept for the growth-rate fit
 WARN_INTERVAL_SECONDS = 60.0
 LEAK_THRESHOLD = 1e-3  # buffers/step below which a site is not reported as leaking
@@ -172,6 +173,8 @@ class Watchdog:
         self._lock = threading.RLock()
         self._parameter_buffers = 0
         self._started: Optional[float] = None
+        self._last_observe = 0.0
+        self._decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
         self._walk_seconds = 0.0
         self._last_walk_cost = 0.0
         self._budget_spent = 0.0  # seconds of observe() charged to the walk budget
@@ -281,7 +284,12 @@ class Watchdog:
             self._paths = self._pending_paths = None
         with self._lock:
             if self._started is None:
-                self._started = self._series_started = start
+                self._started = start
+            elif start - self._last_observe > 0:
+                # Decode time: the gaps between steps, each capped, so idle time (a server between
+                # requests, a program doing other work) does not bank walking budget.
+                self._decode_seconds += min(start - self._last_observe, MAX_STEP_SECONDS)
+            self._last_observe = start
             self.steps += 1
             step = self.steps
             self._step_times.append((step, start))
@@ -307,7 +315,7 @@ class Watchdog:
         # Each series (a new decode) starts with a small credit so its first steps are measured
         # densely; then everything observe() spends counts, not only walks (wall time: that is
         # what the decode loses; CPU time undercounts on a busy machine, measured 2.9% vs 1%).
-        elapsed = now - (self._series_started or now)
+        elapsed = self._decode_seconds - self._series_decode_seconds
         allowed = self.overhead_budget * elapsed + WALK_CREDIT_SECONDS
         spent = self._budget_spent - self._series_budget_spent
         return spent + self._last_walk_cost <= allowed
@@ -473,7 +481,7 @@ class Watchdog:
         self._last_fix_step = self.steps
         self._probe: Optional[tuple] = None
         self._empty_walks = 0
-        self._series_started = time.perf_counter() if self._started is not None else None
+        self._series_decode_seconds = self._decode_seconds
         self._series_budget_spent = self._budget_spent
         self._last_walk_cost = 0.0
 
