@@ -39,8 +39,11 @@ sdist: $(MLX_LM_SDIST)/.done
 test: system-deps $(STAMP) sdist
 	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider
 
+# Benchmarks are not part of `make test` (they take minutes and need a quiet machine).
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/decode_tokens_per_s.py --model llama --steps 2000 --reps 5 --chunk 100
+	$(PY) benchmarks/decode_tokens_per_s.py --model qwen3_next --steps 2000 --reps 5 --chunk 100
+	$(PY) benchmarks/leak_overhead.py --steps 20000 --chunk 1000
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -188,14 +188,15 @@ class Decode:
         self._paused_at = time.perf_counter()
 
     def _resume_clock(self) -> None:
-        """The watchdog budgets its walks as a fraction of the wall time since its first step.
-        Taking turns, that wall time would include the other variants' turns and grant it
-        several times its budget: move its start forward by the time it sat out, as if it
-        had run alone. (Reads a private attribute: benchmark only.)"""
+        """The watchdog budgets its walks as a fraction of its decode time (the gaps between
+        its steps, each capped at a second). Taking turns, the gap at the start of a turn
+        would include the other variants' turns and grant it extra budget: move its clocks
+        forward by the time it sat out, as if it had run alone. (Private attributes, of this
+        and of earlier versions of the core: benchmark only.)"""
         if self.wd is None:
             return
         sat_out = time.perf_counter() - self._paused_at
-        for name in ("_started", "_series_started"):
+        for name in ("_last_observe", "_started", "_series_started"):
             if getattr(self.wd, name, None) is not None:
                 setattr(self.wd, name, getattr(self.wd, name) + sat_out)
 

@@ -458,7 +458,7 @@ def test_watch_step_observes_the_cache_before_each_call():
 
 def test_watch_step_fix_cuts_the_chain_and_shares_a_watchdog():
     cache = Countdown()
-    wd = Watchdog(limit=5000, fix=True, export=False)
+    wd = Watchdog(limit=5000, fix=True, fix_every=1, export=False)
 
     def step():
         cache.value = cache.value - 1

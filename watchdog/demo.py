@@ -169,7 +169,7 @@ def _passes(args: argparse.Namespace, model, console, real_limit: int):
                       f"{args.limit:,} buffers. A device with this limit would crash here; the "
                       "watchdog stopped the decode cleanly (Watchdog(stop_within=0)).")
     steps_done = first.decode_steps
-    fixed = Watchdog(args.limit, name=f"demo-{args.model_type}-fixed", fix=True,
+    fixed = Watchdog(args.limit, name=f"demo-{args.model_type}-fixed", fix=True, fix_every=1,
                      overhead_budget=OVERHEAD_BUDGET)
     view = _View(console, "pass 2/2: Watchdog(fix=True)", steps_done, len(prompts))
     second = view.run(lambda cb: decode_pass(model, path, prompts, steps_done, fixed, cb))

@@ -429,8 +429,9 @@ def diagnose_model(model, prompts: list[list[int]], *, paths: Sequence[str], ste
             if progress is not None:
                 progress(f"  {path} path, {'Watchdog(fix=True)' if fix else 'watch only'}: "
                          f"{steps} steps x {len(path_prompts)} sequence(s)...")
+            # fix_every=1: the diagnosis asks whether cutting every step removes the growth.
             watchdog = Watchdog(limit, name=f"diagnose-{path}{'-fixed' if fix else ''}",
-                                fix=fix, export=False)
+                                fix=fix, fix_every=1, export=False)
             results[fix] = decode_pass(model, path, path_prompts, steps, watchdog)
         runs.append(_run_entry(results[False], results[True]))
     limit_value = runs[0]["_limit"] if runs else (limit or 0)

@@ -102,8 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--fix", action=argparse.BooleanOptionalAction, default=False,
                        help="materialize the pending cache arrays each step (cuts the lazy chains "
                             "that leak buffers); default: --no-fix, only watch")
-    group.add_argument("--fix-every", type=positive_int, default=1, metavar="N",
-                       help="run the fix every N decode steps (default: 1)")
+    group.add_argument("--fix-every", type=positive_int, default=16, metavar="N",
+                       help="run the fix every N decode steps (default: 16)")
     group.add_argument("--limit", type=positive_int, default=None, metavar="N",
                        help="buffer limit to forecast against (default: the device's Metal "
                             "resource limit, else 499000)")
@@ -170,7 +170,7 @@ def watchdog_options(args: argparse.Namespace) -> dict:
     limit = get("limit")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
         raise ValueError(f"--limit must be a positive integer number of buffers, got {limit!r}")
-    fix_every = get("fix_every", 1)
+    fix_every = get("fix_every", 16)
     if isinstance(fix_every, bool) or not isinstance(fix_every, int) or fix_every <= 0:
         raise ValueError(f"--fix-every must be a positive integer, got {fix_every!r}")
     for option in ("warn_within", "stop_within"):
