@@ -15,6 +15,7 @@ serve.py (or mlx-lm's server) cannot be imported.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Optional, Sequence
 
@@ -33,24 +34,26 @@ class UsageError(Exception):
 
 # --------------------------------------------------------------------------- argument types
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def checked(convert, is_valid, what: str, name: str):
+    """An argparse type: ``convert`` the text, then check it; errors say what was expected."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not is_valid(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
-def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535, got {text!r}")
-    return value
+positive_int = checked(int, lambda v: v > 0, "a positive integer", "positive_int")
+port_number = checked(int, lambda v: 0 <= v <= 65535, "a port number from 0 to 65535", "port_number")
+step_count = checked(float, lambda v: 0 <= v < math.inf, "a finite number of steps >= 0", "step_count")
+fraction = checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]", "fraction")
 
 
 # --------------------------------------------------------------------------- parser

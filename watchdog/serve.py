@@ -42,7 +42,7 @@ import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from .attach import unwatch_model, watch_model, watched_state
-from .cli import port_number, positive_int
+from .cli import fraction, port_number, positive_int, step_count
 from .core import ResourceLimitForecast, Watchdog
 
 logger = logging.getLogger("mlx_watchdog")
@@ -63,26 +63,6 @@ _HOOK_POINTS = (
 
 
 # --------------------------------------------------------------------------- arguments
-
-def _steps(text: str) -> float:
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a number of steps >= 0, got {text!r}") from None
-    if not value >= 0 or math.isinf(value):  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a finite number of steps >= 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}")
-    return value
-
 
 def default_metrics_port() -> int:
     """The exporter's default (9464, plus the rank in a distributed job) when it is installed."""
@@ -107,12 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--limit", type=positive_int, default=None, metavar="N",
                        help="buffer limit to forecast against (default: the device's Metal "
                             "resource limit, else 499000)")
-    group.add_argument("--warn-within", type=_steps, default=None, metavar="STEPS",
+    group.add_argument("--warn-within", type=step_count, default=None, metavar="STEPS",
                        help="log a warning when the limit is forecast within STEPS decode steps")
-    group.add_argument("--stop-within", type=_steps, default=None, metavar="STEPS",
+    group.add_argument("--stop-within", type=step_count, default=None, metavar="STEPS",
                        help="end the running requests (finish_reason \"resource_limit\") when the "
                             "limit is forecast within STEPS decode steps; the server goes on")
-    group.add_argument("--overhead-budget", type=_fraction, default=DEFAULT_OVERHEAD_BUDGET,
+    group.add_argument("--overhead-budget", type=fraction, default=DEFAULT_OVERHEAD_BUDGET,
                        metavar="FRACTION",
                        help="share of the decode's wall time the watchdog may spend measuring "
                             "(default: %(default)s); raise it on a busy machine to measure more often")
