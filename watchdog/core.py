@@ -175,7 +175,6 @@ class Watchdog:
         self._started: Optional[float] = None
         self._last_observe = 0.0
         self._decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
-        self._walk_seconds = 0.0
         self._last_walk_cost = 0.0
         self._budget_spent = 0.0  # seconds of observe() charged to the walk budget
         self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
@@ -372,7 +371,6 @@ class Watchdog:
             self._pending_nodes = reading.pending_nodes
             self.walks += 1
         self._last_walk_cost = time.perf_counter() - t0
-        self._walk_seconds += self._last_walk_cost
         if self.on_forecast is not None:
             try:
                 self.on_forecast(self.forecast())
