@@ -65,6 +65,13 @@ def _tokens(inputs: Any) -> int:
     return int(shape[1]) if shape is not None and len(shape) >= 2 else 1
 
 
+def _watchdog_from(watchdog: Optional[Watchdog], options: dict) -> Watchdog:
+    """The given watchdog, or a new one built from Watchdog options (never both)."""
+    if watchdog is not None and options:
+        raise ValueError("pass either watchdog= or Watchdog options, not both")
+    return watchdog if watchdog is not None else Watchdog(**options)
+
+
 def watched_state(model: Any) -> Optional[_ModelState]:
     return type(model).__dict__.get(_STATE)
 
@@ -73,10 +80,7 @@ def watch_model(model, watchdog: Optional[Watchdog] = None, **options):
     """Observe every forward pass of ``model`` that is given a cache. Returns the same model
     object, still an instance of its class. ``options`` create a :class:`Watchdog` when none
     is given. Watching an already watched model swaps its watchdog."""
-    if watchdog is None:
-        watchdog = Watchdog(**options)
-    elif options:
-        raise ValueError("pass either watchdog= or Watchdog options, not both")
+    watchdog = _watchdog_from(watchdog, options)
     if not callable(model):
         raise TypeError(f"watch_model needs a callable model, got {type(model).__name__}")
     with _attach_lock:
@@ -142,10 +146,7 @@ def _model_name(model) -> str:
 
 def watch_step(fn: Callable, cache: Any, watchdog: Optional[Watchdog] = None, **options) -> Callable:
     """Wrap a bare step function: each call observes ``cache`` first."""
-    if watchdog is None:
-        watchdog = Watchdog(**options)
-    elif options:
-        raise ValueError("pass either watchdog= or Watchdog options, not both")
+    watchdog = _watchdog_from(watchdog, options)
     if not callable(fn):
         raise TypeError(f"watch_step needs a callable, got {fn!r}")
     last: list[Any] = [None]
@@ -175,16 +176,13 @@ def watch(fn: Optional[Callable] = None, *, watchdog: Optional[Watchdog] = None,
     ``options`` for the decorated function. ``metrics_port`` starts the metrics server once."""
     if fn is None:
         # Bad options fail here, at @watch(...), not later when a function is decorated.
-        if watchdog is not None and options:
-            raise ValueError("pass either watchdog= or Watchdog options, not both")
         if watchdog is None:
-            Watchdog(**{**options, "export": False})
+            Watchdog(**{**options, "export": False})  # a throw-away, to check the options
+        else:
+            _watchdog_from(watchdog, options)
         return functools.partial(watch, watchdog=watchdog, metrics_port=metrics_port,
                                  metrics_addr=metrics_addr, **options)
-    if watchdog is None:
-        watchdog = Watchdog(**options)
-    elif options:
-        raise ValueError("pass either watchdog= or Watchdog options, not both")
+    watchdog = _watchdog_from(watchdog, options)
     metrics_server = None
     if metrics_port is not None:
         from .exporters.prometheus import start_metrics_server

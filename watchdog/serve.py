@@ -42,7 +42,7 @@ import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from .attach import unwatch_model, watch_model, watched_state
-from .cli import fraction, port_number, positive_int, step_count
+from .cli import fraction, port_number, positive_int, split_server_argv, step_count
 from .core import ResourceLimitForecast, Watchdog
 
 logger = logging.getLogger("mlx_watchdog")
@@ -107,15 +107,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--no-metrics", action="store_true", default=False,
                        help="do not serve metrics")
     return parser
-
-
-def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``[watchdog options] -- [mlx_lm.server arguments]`` -> the two lists (split at the first ``--``)."""
-    argv = list(argv)
-    if "--" in argv:
-        cut = argv.index("--")
-        return argv[:cut], argv[cut + 1:]
-    return argv, []
 
 
 def build_parser(prog: str = "mlx-watchdog serve") -> argparse.ArgumentParser:
