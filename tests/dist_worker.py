@@ -56,7 +56,7 @@ def main() -> int:
 
     # As a user writes it: the decorator (and its watchdog) exist before the group does.
     # overhead_budget=1: walk every step, so the tiny leak is measured from the first steps.
-    @watch(name="tiny", limit=args.limit, stop_within=args.stop_within, overhead_budget=1.0,
+    @watch(name="tiny", limit=args.limit, stop_within=args.stop_within, overhead_budget=1.0, walk_interval=0,
            metrics_port=port)
     def decode(model, prompt, prompt_cache=None, max_tokens=16, on_token=None):
         from mlx_lm.generate import generate_step

@@ -91,7 +91,7 @@ class Plan:
 def plan_decode(model, prompts) -> Plan:
     """Decode WARMUP_STEPS steps under a throw-away watchdog: measures the leak per step, the
     resident buffers at step 0 and this machine's step time; the same decode starts identically."""
-    probe = Watchdog(limit=10**9, name="e2e-warmup", overhead_budget=0.5, export=False)
+    probe = Watchdog(limit=10**9, name="e2e-warmup", overhead_budget=0.5, walk_interval=0, export=False)
     watch_model(model, probe)
     gen = BatchGenerator(model, max_tokens=100_000)
     try:
@@ -297,7 +297,7 @@ def test_alerts_reach_the_webhook_before_the_decode_reaches_its_limit(tmp_path, 
     prompts = tiny_prompts(2, 6, 512, seed=1)  # equal lengths: the left_padding leak
     plan = plan_decode(model, prompts)
 
-    wd = Watchdog(limit=plan.limit, name=NAME, overhead_budget=0.5, export=False)
+    wd = Watchdog(limit=plan.limit, name=NAME, overhead_budget=0.5, walk_interval=0, export=False)
     watch_model(model, wd)
     request.addfinalizer(lambda: unwatch_model(model))
 

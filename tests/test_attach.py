@@ -265,6 +265,8 @@ def test_option_errors_name_the_option(llama):
             make(fix_every=0)
         with pytest.raises(ValueError, match="overhead_budget"):
             make(overhead_budget=2)
+        with pytest.raises(ValueError, match="walk_interval"):
+            make(walk_interval=-0.5)
         with pytest.raises(ValueError, match="watchdog="):
             make(watchdog=Watchdog(export=False), fix=True)
     assert type(llama) is cls  # a refused watch leaves the model alone
@@ -342,7 +344,7 @@ def test_watch_model_observes_a_custom_loop(llama):
         return out
 
     plain = decode(make_prompt_cache(llama))
-    wd = Watchdog(export=False, overhead_budget=1.0)
+    wd = Watchdog(export=False, overhead_budget=1.0, walk_interval=0)
     watch_model(llama, wd)
     prefills = []
     watched_state(llama).prefill_hooks.append(lambda w, inputs, output: prefills.append(inputs.shape))
@@ -443,7 +445,7 @@ def test_watch_step_observes_the_cache_before_each_call():
         seen.append(k)
         cache.value = cache.value - 1
 
-    watched = watch_step(step, cache=cache, limit=5000, overhead_budget=1.0, export=False)
+    watched = watch_step(step, cache=cache, limit=5000, overhead_budget=1.0, walk_interval=0, export=False)
     assert watched.__name__ == "step" and watched.__doc__ == "One step."
     assert inspect.signature(watched) == inspect.signature(step)
     for k in range(40):
@@ -491,7 +493,7 @@ def test_watch_step_around_a_model_step(llama):
 
 
 def test_forecast_from_another_thread_during_a_batched_decode(hybrid):
-    wd = Watchdog(limit=200_000, overhead_budget=1.0, export=False)  # walk every step
+    wd = Watchdog(limit=200_000, overhead_budget=1.0, walk_interval=0, export=False)  # walk every step
     watch_model(hybrid, wd)
     errors, forecasts = [], []
     done = threading.Event()

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 
-from mlx_watchdog import Watchdog, find_arrays, materialize
+from mlx_watchdog import Watchdog, core, find_arrays, materialize
 from mlx_watchdog.attach import watch_model
 from mlx_watchdog.graph import account, is_evaluated
 from mlx_watchdog.tiny import build_model, tiny_prompts
@@ -27,7 +27,7 @@ class ScalarCache:
 
 def test_scalar_chain_grows_exactly_one_buffer_per_step():
     cache = ScalarCache()
-    wd = Watchdog(limit=5000, overhead_budget=1.0)  # walk every step: exact numbers
+    wd = Watchdog(limit=5000, overhead_budget=1.0, walk_interval=0)  # walk every step: exact numbers
     residents = []
     for _ in range(60):
         wd.observe(cache)
@@ -129,7 +129,7 @@ class CompressingCache:
 
 def test_bursty_chain_is_attributed_and_forecast_robustly():
     caches = [CompressingCache(ratio=8) for _ in range(3)]
-    wd = Watchdog(limit=100_000, overhead_budget=1.0)
+    wd = Watchdog(limit=100_000, overhead_budget=1.0, walk_interval=0)
     for _ in range(200):
         wd.observe(caches)
         for c in caches:
@@ -143,7 +143,7 @@ def test_bursty_chain_is_attributed_and_forecast_robustly():
 
 def test_unbounded_slot_chain_is_attributed_to_its_attribute():
     caches = [CompressingCache(ratio=10**9) for _ in range(2)]  # the group never closes: a leak
-    wd = Watchdog(limit=100_000, overhead_budget=1.0)
+    wd = Watchdog(limit=100_000, overhead_budget=1.0, walk_interval=0)
     for _ in range(50):
         wd.observe(caches)
         for c in caches:
@@ -157,7 +157,7 @@ def test_unbounded_slot_chain_is_attributed_to_its_attribute():
 def test_deepseek_v41_layer_cache_is_walked_without_invoking_state():
     model = build_model("deepseek_v41", layers=4)
     cache = model.make_cache()
-    wd = Watchdog(limit=100_000, overhead_budget=1.0)
+    wd = Watchdog(limit=100_000, overhead_budget=1.0, walk_interval=0)
     watch_model(model, wd)
     prompt = mx.array(tiny_prompts(1, 5, 512)[0])
     for _ in generate_step(prompt, model, max_tokens=12, prompt_cache=cache):
@@ -226,10 +226,108 @@ def test_materialize_cuts_pending_chains():
 
 def test_walk_cost_is_budgeted_as_graphs_grow():
     cache = ScalarCache()
-    wd = Watchdog(limit=10**6, overhead_budget=0.01)
+    wd = Watchdog(limit=10**6, overhead_budget=0.01, walk_interval=0)
     for _ in range(3000):
         wd.observe(cache)
         cache.step()
     # Walks become rarer as the chain grows; the forecast still tracks +1/step.
     assert wd.walks < 3000
+    assert wd.forecast().buffers_per_step == pytest.approx(1.0)
+
+
+class FakeClock:
+    """Stands in for the ``time`` module of the core: time moves only when the test moves it."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+    def monotonic(self):
+        return self.now
+
+
+STEP = 1 / 64  # seconds per fake decode step (exact in binary, so 0.5 s is exactly 32 steps)
+
+
+def test_walks_are_dense_at_first_then_one_per_walk_interval(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(core, "time", clock)
+    cache = ScalarCache()
+    wd = Watchdog(limit=10**6, export=False)  # default walk_interval: 0.5 s
+    walked_at = []
+    for step in range(1, 1001):
+        walks = wd.walks
+        wd.observe(cache)
+        if wd.walks > walks:
+            walked_at.append(step)
+        cache.step()
+        clock.now += STEP
+    assert walked_at[:core.DENSE_WALKS] == list(range(1, core.DENSE_WALKS + 1))
+    later = walked_at[core.DENSE_WALKS - 1:]
+    assert {b - a for a, b in zip(later, later[1:])} == {32}  # 0.5 s of decode at 1/64 s per step
+    assert wd.forecast().buffers_per_step == pytest.approx(1.0)
+
+    every = Watchdog(limit=10**6, export=False, walk_interval=0)
+    for _ in range(100):
+        every.observe(cache)
+        clock.now += STEP
+    assert every.walks == 100
+
+
+def test_walks_stay_within_the_budget_when_a_leak_is_left_unfixed(monkeypatch):
+    # Each walk costs (fake) time in proportion to the chain it walks, as export_to_dot does:
+    # by the end one walk costs more than a second of decode. The watchdog's own time must
+    # still come to at most overhead_budget of the decode, amortized; the credit is no bonus.
+    clock = FakeClock()
+    monkeypatch.setattr(core, "time", clock)
+    real_account = core.account
+
+    def costly_account(arrays):
+        reading = real_account(arrays)
+        clock.now += 2e-5 * (reading.pending_nodes + reading.retained_buffers + 100)
+        return reading
+
+    monkeypatch.setattr(core, "account", costly_account)
+    cache = ScalarCache()
+    wd = Watchdog(limit=10**6, export=False, overhead_budget=0.01, walk_interval=0)
+    decode = 0.0
+    for step in range(1, 6001):
+        wd.observe(cache)
+        cache.step()
+        clock.now += STEP
+        decode += STEP
+        if decode >= core.WALK_CREDIT_SECONDS / 0.01:
+            assert wd.overhead_seconds <= 0.01 * decode + 2e-5 * (2 * step + 100), step
+    assert wd.overhead_seconds >= 0.005 * decode  # the budget is used, not left idle
+    assert wd.forecast().measured_step > 4500  # walks thin out, but go on to the end
+    assert wd.forecast().buffers_per_step == pytest.approx(1.0)
+
+
+def test_dear_walks_are_spaced_to_a_thousandth_of_decode_time(monkeypatch):
+    # The default walk_interval (None): 0.5 s, or longer when one walk costs more than 0.5 ms.
+    clock = FakeClock()
+    monkeypatch.setattr(core, "time", clock)
+    real_account = core.account
+    walk_cost = 2 ** -8  # seconds (3.9 ms): walks 3.9 s apart take 0.1% of decode time
+
+    def costly_account(arrays):
+        clock.now += walk_cost
+        return real_account(arrays)
+
+    monkeypatch.setattr(core, "account", costly_account)
+    cache = ScalarCache()
+    wd = Watchdog(limit=10**6, export=False)
+    walked_at = []
+    for step in range(1, 3001):
+        walks = wd.walks
+        wd.observe(cache)
+        if wd.walks > walks:
+            walked_at.append(step)
+        cache.step()
+        clock.now += STEP
+    later = walked_at[core.DENSE_WALKS - 1:]
+    gaps = {b - a for a, b in zip(later, later[1:])}
+    assert gaps and gaps <= {249, 250, 251}, gaps  # 3.9 s of decode at 1/64 s per step
     assert wd.forecast().buffers_per_step == pytest.approx(1.0)

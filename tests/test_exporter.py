@@ -100,7 +100,7 @@ class Decode:
         self.model = build_model("qwen3_next", layers=layers)
         # A generous walk budget: measured often, so the rate is known within a few steps even
         # when one early walk is slow on a loaded machine (the default 1% can then wait seconds).
-        self.wd = Watchdog(limit=limit, name=name, overhead_budget=0.5)
+        self.wd = Watchdog(limit=limit, name=name, overhead_budget=0.5, walk_interval=0)
         watch_model(self.model, self.wd)
         self.gen = BatchGenerator(self.model, max_tokens=100_000)
         self.gen.insert(prompts)

@@ -173,9 +173,27 @@ def test_plain_decode_is_identical_with_fix(case, watching):
     if model_type in ("qwen3_next", "deepseek_v41"):
         # Their caches keep arrays pending between steps: the fix really ran.
         assert wd.materialized_arrays > 0
-    if case in ("llama", "qwen3_next"):
+    if case in ("llama", "qwen3_next", "deepseek_v41"):
         # Nothing leaks on this path: fix mode must not report what it cut as a leak.
         assert wd.forecast().leaks == () and wd.forecast().buffers_per_step < 0.01
+
+
+def test_a_chain_the_model_drains_itself_is_no_leak_in_fix_mode(watching):
+    """deepseek_v41's LayerCache keeps pending rows that grow for a few steps and are drained
+    by the model at each compression: bounded, no leak, with or without the fix. Walking every
+    step (walk, probe, walk, probe...), one-step probes once kept the drain's phase and never
+    saw it, and reported the growth between drains as a leak."""
+    m = model("deepseek_v41", 4)
+    for fix in (False, True):
+        wd = Watchdog(fix=fix, export=False, overhead_budget=1.0, walk_interval=0)
+        watching(m, wd)
+        plain_decode(m, PROMPT, 300)
+        unwatch_model(m)
+        f = wd.forecast()
+        assert wd.walks > 150
+        assert f.leaks == () and f.buffers_per_step < 0.01, (fix, f.describe())
+    growth = wd._sites["LayerCache.pending_kv"].growth
+    assert max(growth) > 0 > min(growth)  # the probes saw it grow and drain
 
 
 BATCHED_CASES = {
@@ -271,7 +289,7 @@ def test_warn_within_logs_once_a_minute_naming_the_top_site(watching, caplog, mo
     limit = _resident_at_start(m, watching) + 100_000
     received = []
     # A large walk budget: this test is about the warning, not about sampling.
-    wd = Watchdog(limit, warn_within=1_000_000, on_forecast=received.append, overhead_budget=1.0, export=False)
+    wd = Watchdog(limit, warn_within=1_000_000, on_forecast=received.append, overhead_budget=1.0, walk_interval=0, export=False)
     watching(m, wd)
     caplog.set_level(logging.WARNING, logger="mlx_watchdog")
 
@@ -481,10 +499,11 @@ def test_fix_every_n_steps(every, monkeypatch):
         cache.step()
         longest = max(longest, account([cache.x]).pending_nodes)
     gaps = {b - a for a, b in zip(fixed_at, fixed_at[1:])}
-    # Never more often than every N steps; a walk's probe may delay a fix by one step.
-    assert gaps and gaps <= {every, every + 1}, gaps
-    assert steps / (every + 1) - 1 <= len(fixed_at) <= steps / every + 1
-    assert longest <= every + 2  # the chain is cut at least every N+1 steps
+    # Never more often than every N steps; a walk's probe may delay a fix by up to 3 steps.
+    probe = max(core.PROBE_STEPS)
+    assert gaps and gaps <= set(range(every, every + probe + 1)), gaps
+    assert steps / (every + probe) - 1 <= len(fixed_at) <= steps / every + 1
+    assert longest <= every + probe + 1  # the chain is cut at least every N+3 steps
     # Unfixed this chain grows 1 buffer/step; cut every N steps it is a sawtooth of height N.
     assert wd.forecast().buffers_per_step < (0.01 if every == 1 else 0.05)
 

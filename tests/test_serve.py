@@ -242,12 +242,13 @@ def test_split_and_parse():
     args, server_argv = serve.parse_args(
         ["--fix", "--fix-every", "3", "--limit", "4000", "--warn-within", "500", "--stop-within", "100",
          "--metrics-port", "0", "--metrics-addr", "::1", "--adapt-prefill", "--overhead-budget", "0.5",
-         "--", "--model", "m", "--port", "8", "--", "x"])
+         "--walk-interval", "2", "--", "--model", "m", "--port", "8", "--", "x"])
     assert server_argv == ["--model", "m", "--port", "8", "--", "x"]
     assert (args.fix, args.fix_every, args.limit, args.warn_within, args.stop_within) == (True, 3, 4000, 500.0, 100.0)
     assert (args.metrics_port, args.metrics_addr, args.no_metrics, args.adapt_prefill) == (0, "::1", False, True)
     assert serve.watchdog_options(args) == {"limit": 4000, "fix": True, "fix_every": 3,
-                                            "warn_within": 500.0, "stop_within": 100.0, "overhead_budget": 0.5}
+                                            "warn_within": 500.0, "stop_within": 100.0, "overhead_budget": 0.5,
+                                            "walk_interval": 2.0}
 
     args, server_argv = serve.parse_args(["--no-fix", "--no-metrics"])
     assert server_argv == [] and args.fix is False and args.no_metrics is True
@@ -255,6 +256,7 @@ def test_split_and_parse():
     assert defaults.metrics_port == 9464 and defaults.metrics_addr == "127.0.0.1"
     assert defaults.limit is None and defaults.stop_within is None and defaults.fix is False
     assert defaults.overhead_budget == 0.01 and defaults.adapt_prefill is False
+    assert defaults.walk_interval is None  # auto
 
 
 @pytest.mark.parametrize("argv, option", [
@@ -265,6 +267,7 @@ def test_split_and_parse():
     (["--warn-within", "nan"], "--warn-within"),
     (["--metrics-port", "70000"], "--metrics-port"),
     (["--overhead-budget", "0"], "--overhead-budget"),
+    (["--walk-interval", "-1"], "--walk-interval"),
     (["--model", "m"], "after `--`"),
 ])
 def test_bad_arguments_name_the_option(argv, option, capsys):
@@ -278,7 +281,7 @@ def test_bad_arguments_name_the_option(argv, option, capsys):
 def test_bad_namespace_values_raise_value_error():
     good = vars(serve.parse_args([])[0])
     for option, value in (("limit", -5), ("fix_every", 0), ("stop_within", -1.0), ("metrics_port", 99999),
-                          ("overhead_budget", 2.0)):
+                          ("overhead_budget", 2.0), ("walk_interval", float("inf"))):
         args = argparse.Namespace(**dict(good, **{option: value}))
         with pytest.raises(ValueError, match="--" + option.replace("_", "-")):
             serve.watchdog_options(args)

@@ -54,6 +54,7 @@ positive_int = checked(int, lambda v: v > 0, "a positive integer", "positive_int
 port_number = checked(int, lambda v: 0 <= v <= 65535, "a port number from 0 to 65535", "port_number")
 step_count = checked(float, lambda v: 0 <= v < math.inf, "a finite number of steps >= 0", "step_count")
 fraction = checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]", "fraction")
+seconds = checked(float, lambda v: 0 <= v < math.inf, "a finite number of seconds >= 0", "seconds")
 
 
 # --------------------------------------------------------------------------- parser

@@ -5,9 +5,11 @@ One ``Watchdog`` follows one model's decode. ``observe(roots)`` runs once per st
 previous step (observing right after the forward would walk the whole forward graph).
 
 Cost control: a graph walk is O(graph) and cannot be cut short, so walks are *sampled*.
-A walk runs only while the watchdog's own time stays within ``overhead_budget`` of the decode's
-wall time (plus a small start-up credit, so the first steps are measured densely). Between
-walks the forecast extrapolates from the last measurement.
+Each decode is walked densely at first (its first ``DENSE_WALKS`` walks, paid from a small
+start-up credit), then at most once per ``walk_interval`` seconds of decode, by default every
+half second or, when walks are dear, far enough apart that they take 0.1% of decode time: a
+forecast of a limit hours away needs no more. Over both, the watchdog's own time stays within
+``overhead_budget`` of the decode's wall time. Between walks the forecast extrapolates.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from mlx.utils import tree_flatten
 
 from . import forecast as fc
 from .graph import account, is_evaluated
-from .introspect import MAX_DEPTH, MAX_OBJECTS, Found, resolve, root_key, scan
+from .introspect import MAX_DEPTH, MAX_OBJECTS, resolve, root_key, scan
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
 
 try:  # records mx.distributed.init() from here on, so watchdogs learn their rank (distributed.py)
@@ -36,12 +38,16 @@ except Exception:  # an MLX without mx.distributed: watchdogs stay single-proces
 
 logger = logging.getLogger("mlx_watchdog")
 
-WALK_CREDIT_SECONDS = 0.05  # walking budget granted up front, so early steps are measured densely
+WALK_CREDIT_SECONDS = 0.05  # budget granted up front (a floor, not added), so early steps are measured densely
+DENSE_WALKS = 32  # walks of a new decode taken as often as the budget allows; then one per walk_interval
+AUTO_WALK_INTERVAL = 0.5  # seconds between walks after the dense ones (walk_interval=None)...
+AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of decode time
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
 SAMPLE_WINDOW = 64  # walks kept for the growth-rate fit
 WARN_INTERVAL_SECONDS = 60.0
 LEAK_THRESHOLD = 1e-3  # buffers/step below which a site is not reported as leaking
 MAX_PATHS_PER_SITE = 16
+PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
 FULL_SWEEP_FIXES = 16  # between walks, every 16th fix re-reads every cache array, not only the pending ones
 
 _live: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
@@ -85,15 +91,28 @@ class _SiteSeries:
     def __init__(self) -> None:
         self.total = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, held + retained)
         self.held = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, evaluated arrays at the site)
-        self.growth = collections.deque(maxlen=8)  # buffers/step seen by fix-mode probes
+        self.growth = collections.deque(maxlen=16)  # buffers/step seen by fix-mode probes (signed)
         self.paths: tuple[str, ...] = ()
         self.buffers = 0
         self.retained = 0
 
+    def probed_rate(self) -> Optional[float]:
+        """What the fix cuts at this site per step, from the probes; None before the first probe.
+
+        A leak only grows while the fix waits; a chain the program drains itself (a
+        compressed-attention cache's pending rows) is sometimes seen shrinking: that one is no
+        leak, however fast it grows between its drains."""
+        if not self.growth:
+            return None
+        if min(self.growth) < 0:
+            return 0.0
+        return statistics.median(self.growth)
+
     def rate(self, fixing: bool) -> float:
-        if fixing and self.growth:
+        probed = self.probed_rate() if fixing else None
+        if probed is not None:
             # The fix cuts the chains, so the series stays flat; the probes saw the growth it cuts.
-            return statistics.median(self.growth)
+            return probed
         return fc.robust_slope(self.total)
 
 
@@ -110,7 +129,11 @@ class Watchdog:
         warn_within: log a warning when the limit is forecast within this many steps (at most once a minute).
         stop_within: raise :class:`ResourceLimitForecast` when the limit is forecast within this many steps.
         on_forecast: called with each new :class:`Forecast` (after each graph walk).
-        overhead_budget: fraction of decode wall time the graph walks may take (default 1%).
+        overhead_budget: ceiling on the fraction of decode wall time the watchdog may spend (default 1%).
+        walk_interval: seconds of decode between two graph walks once a decode's first
+            ``DENSE_WALKS`` walks are done. ``None`` (default): 0.5 s, or longer where one walk
+            costs more than 0.5 ms, so that walks take 0.1% of decode time. 0: walk whenever the
+            budget allows.
         export: publish this watchdog through the exporters (``start_metrics_server``).
         model: the watched model, to count its parameters as resident buffers.
     """
@@ -126,6 +149,7 @@ class Watchdog:
         stop_within: Optional[float] = None,
         on_forecast: Optional[Callable[[fc.Forecast], Any]] = None,
         overhead_budget: float = 0.01,
+        walk_interval: Optional[float] = None,
         export: bool = True,
         model: Any = None,
         max_objects: int = MAX_OBJECTS,
@@ -140,6 +164,9 @@ class Watchdog:
                 raise ValueError(f"{label} must be a number of steps >= 0 or None, got {value!r}")
         if not isinstance(overhead_budget, (int, float)) or not 0 < overhead_budget <= 1:
             raise ValueError(f"overhead_budget must be a fraction in (0, 1], got {overhead_budget!r}")
+        if walk_interval is not None and (isinstance(walk_interval, bool) or not isinstance(walk_interval, (int, float))
+                                          or not 0 <= walk_interval < math.inf):
+            raise ValueError(f"walk_interval must be a number of seconds >= 0 or None, got {walk_interval!r}")
         if on_forecast is not None and not callable(on_forecast):
             raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
         self.name = name or "default"
@@ -150,6 +177,7 @@ class Watchdog:
         self.stop_within = stop_within
         self.on_forecast = on_forecast
         self.overhead_budget = float(overhead_budget)
+        self.walk_interval = None if walk_interval is None else float(walk_interval)
         self.export = bool(export)
         self.max_objects = max_objects
         self.max_depth = max_depth
@@ -179,9 +207,11 @@ class Watchdog:
         self._budget_spent = 0.0  # seconds of observe() charged to the walk budget
         self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
         self._root_key: Optional[tuple] = None
+        self._root_ids: Optional[tuple] = None  # identity of the last roots: skips root_key on the same caches
         self._paths: Optional[list[tuple]] = None
         self._pending_paths: Optional[list[tuple]] = None
         self._fixes = 0
+        self._probes = 0
         self._last_fix_step = 0
         self._fixed_once = False
         self._last_warn = -math.inf
@@ -273,7 +303,12 @@ class Watchdog:
     # ----------------------------------------------------------------- the step
 
     def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float) -> None:
-        key = root_key(roots)
+        ids = _identity(roots)
+        if ids != self._root_ids:  # other roots than last step's (or a list of arrays): the full key
+            key = root_key(roots)
+            self._root_ids = ids
+        else:
+            key = self._root_key
         if key != self._root_key:
             if prefill and self._root_key is not None:
                 return  # a prompt filling other caches: the decode being followed goes on
@@ -293,33 +328,44 @@ class Watchdog:
             step = self.steps
             self._step_times.append((step, start))
 
-        # In fix mode a walk starts a probe: the fix waits one step, a second walk sees what one
-        # step adds to each site (the growth the fix cuts), then the fix runs.
-        probe_start = self._probe
-        self._probe = None
-        if probe_start is not None:
-            found = self._walk(roots, step, probe_start=probe_start)
+        # In fix mode a walk starts a probe: the fix waits 1-3 steps, a second walk sees what those
+        # steps add to each site (the growth the fix cuts), then the fix runs. The probe's length
+        # varies so that its steps do not keep the same phase as a chain the program drains
+        # every few steps (seen: probes of one step every other step never saw the drain).
+        walked_pending = None
+        if self._probe is not None:
+            if step >= self._probe[2]:
+                probe, self._probe = self._probe, None
+                walked_pending = self._walk(roots, step, probe_start=probe)
         elif self._walk_due(start):
-            found = self._walk(roots, step)
+            walked_pending = self._walk(roots, step)
             if self.fix:
-                self._probe = (step, {site: s.buffers for site, s in self._sites.items()})
-        else:
-            found = None
+                self._probes += 1
+                length = PROBE_STEPS[self._probes % len(PROBE_STEPS)]
+                self._probe = (step, {site: s.buffers for site, s in self._sites.items()}, step + length)
         if (self.fix and self._probe is None and step - self._last_fix_step >= self.fix_every
                 and _evaluated_output(last_output)):
-            self._fix(roots, found, step)
+            self._fix(roots, walked_pending, step)
         self._act(roots, last_output, step)
 
     def _walk_due(self, now: float) -> bool:
-        # Each series (a new decode) starts with a small credit so its first steps are measured
-        # densely; then everything observe() spends counts, not only walks (wall time: that is
-        # what the decode loses; CPU time undercounts on a busy machine, measured 2.9% vs 1%).
         elapsed = self._decode_seconds - self._series_decode_seconds
-        allowed = self.overhead_budget * elapsed + WALK_CREDIT_SECONDS
+        if self._series_walks >= DENSE_WALKS:
+            interval = self.walk_interval
+            if interval is None:
+                interval = max(AUTO_WALK_INTERVAL, self._last_walk_cost / AUTO_WALK_SHARE)
+            if self._decode_seconds - self._last_walk_decode < interval:
+                return False
+        # Everything observe() spends counts, not only walks (wall time: that is what the decode
+        # loses; CPU time undercounts on a busy machine, measured 2.9% vs 1%). The start-up
+        # credit is a floor, not a bonus: past WALK_CREDIT_SECONDS / overhead_budget of decode
+        # the watchdog has spent at most overhead_budget of it.
+        allowed = max(self.overhead_budget * elapsed, WALK_CREDIT_SECONDS)
         spent = self._budget_spent - self._series_budget_spent
         return spent + self._last_walk_cost <= allowed
 
-    def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[Found]:
+    def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[mx.array]:
+        """Walk and account the roots; returns the arrays found pending."""
         t0 = time.perf_counter()
         result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
         self._empty_walks = 0 if result.found else self._empty_walks + 1
@@ -352,16 +398,21 @@ class Watchdog:
             for site, (held, retained, paths) in sites.items():
                 series = self._sites.get(site) or self._sites.setdefault(site, _SiteSeries())
                 if probe_start is not None:
-                    start_step, start_buffers = probe_start
+                    start_step, start_buffers, _ = probe_start
                     before = start_buffers.get(site, 0)
-                    series.growth.append(max(0.0, (held + retained - before) / max(1, step - start_step)))
+                    series.growth.append((held + retained - before) / max(1, step - start_step))
                 else:
                     series.total.append((step, held + retained))
                 series.buffers, series.retained = held + retained, retained
                 if paths:
                     series.paths = tuple(paths)
             if probe_start is None and result.found:  # an empty cache is no sample of growth
-                self._samples.append((step, resident))
+                sample = resident
+                if self.fix and self._fixed_once and EXACT_COUNTER is None:
+                    # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
+                    # rate): the growth to forecast is what it leaves behind.
+                    sample = resident - reading.retained_buffers + reading.pending_arrays
+                self._samples.append((step, sample))
                 self._rate = fc.robust_slope(self._samples)
             self._update_leaks()
             self._measured_step = step
@@ -370,27 +421,30 @@ class Watchdog:
             self._retained = reading.retained_buffers
             self._pending_nodes = reading.pending_nodes
             self.walks += 1
+            self._series_walks += 1
+            self._last_walk_decode = self._decode_seconds
         self._last_walk_cost = time.perf_counter() - t0
         if self.on_forecast is not None:
             try:
                 self.on_forecast(self.forecast())
             except Exception as exc:
                 self._internal_error("on_forecast callback", exc)
-        return result.found
+        return [f.array for f, done in zip(result.found, reading.evaluated_by_array) if not done]
 
-    def _fix(self, roots: Any, found: Optional[list[Found]], step: int) -> None:
+    def _fix(self, roots: Any, walked_pending: Optional[list[mx.array]], step: int) -> None:
         # Between walks, re-read only the paths the last walk saw pending (a few per layer instead
-        # of every cache array); every FULL_SWEEP_FIXES-th fix re-reads them all, so a site that
-        # starts pending later is cut within that many steps even before the next walk.
+        # of every cache array), and schedule them unchecked: telling a pending array costs ~5 us
+        # (MLX raises), scheduling an evaluated one ~0.1 us. Every FULL_SWEEP_FIXES-th fix
+        # re-reads every path, so a site that starts pending later is cut within that many steps
+        # even before the next walk.
         self._fixes += 1
         fix_started = time.perf_counter()
-        if found is not None:
-            arrays = [f.array for f in found]
+        if walked_pending is not None:
+            pending = walked_pending
         elif self._pending_paths is not None and self._fixes % FULL_SWEEP_FIXES:
-            arrays = self._resolve_arrays(roots, self._pending_paths)
+            pending = self._resolve_arrays(roots, self._pending_paths)
         else:
-            arrays = self._resolve_arrays(roots)
-        pending = [a for a in arrays if not is_evaluated(a)]
+            pending = [a for a in self._resolve_arrays(roots) if not is_evaluated(a)]
         try:
             if pending:
                 mx.async_eval(pending)
@@ -411,6 +465,7 @@ class Watchdog:
             self._last_fix_step = step
             if not self._fixed_once:
                 self._fixed_once = True
+                self._samples.clear()  # they counted what the fix now cuts
                 self._update_leaks()
 
     def _resolve_arrays(self, roots: Any, paths: Optional[list[tuple]] = None) -> list[mx.array]:
@@ -481,6 +536,8 @@ class Watchdog:
         self._empty_walks = 0
         self._series_decode_seconds = self._decode_seconds
         self._series_budget_spent = self._budget_spent
+        self._series_walks = 0
+        self._last_walk_decode = self._decode_seconds
         self._last_walk_cost = 0.0
 
     def _update_leaks(self) -> None:
@@ -489,8 +546,9 @@ class Watchdog:
         leaks, probed = [], []
         for site, series in self._sites.items():
             site_rate = series.rate(fixing)
-            if series.growth:
-                probed.append(statistics.median(series.growth))
+            site_probed = series.probed_rate()
+            if site_probed is not None:
+                probed.append(site_probed)
             if site_rate > LEAK_THRESHOLD:
                 leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers))
         leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
@@ -530,6 +588,14 @@ def _evaluated_output(output: Any) -> bool:
             if isinstance(item, mx.array):
                 return is_evaluated(item)
     return True
+
+
+def _identity(roots: Any) -> tuple:
+    """Cheap identity of the roots (C-speed: no isinstance per element). Equal to the last step's
+    means the same caches; it differs every step for a list of arrays, then root_key decides."""
+    if isinstance(roots, (list, tuple)):
+        return (id(roots), len(roots)) + tuple(map(id, roots[:64]))
+    return (id(roots),)
 
 
 def _check_positive_int(label: str, value: Any) -> None:

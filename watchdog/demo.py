@@ -41,7 +41,8 @@ DEFAULT_BATCH = 2
 PROMPT_TOKENS = 8
 FIX_MAX_GROWTH = 0.01
 # The demo lets the watchdog walk more often than the 1% default, so the display moves from the
-# first steps even on a busy 2-core machine (the walks are cheap here: the chains are short).
+# first steps even on a busy 2-core machine (the walks are cheap here: the chains are short),
+# and with no walk interval: the display follows every walk the budget allows.
 OVERHEAD_BUDGET = 0.05
 REFRESH_SECONDS = 0.25
 DEFAULT_METRICS_PORT = 9464  # the exporter's default (OpenTelemetry's Prometheus port)
@@ -149,7 +150,7 @@ def _passes(args: argparse.Namespace, model, console, real_limit: int):
 
     path = "batched"
     leaky = Watchdog(args.limit, name=f"demo-{args.model_type}", stop_within=0,
-                     overhead_budget=OVERHEAD_BUDGET)
+                     overhead_budget=OVERHEAD_BUDGET, walk_interval=0)
     view = _View(console, "pass 1/2: watch only", args.steps, args.batch)
     try:
         first = view.run(lambda cb: decode_pass(model, path, prompts, args.steps, leaky, cb))
@@ -161,7 +162,7 @@ def _passes(args: argparse.Namespace, model, console, real_limit: int):
                       "(generate_step, one sequence)")
         path, prompts = "plain", prompts[:1]
         leaky = Watchdog(args.limit, name=f"demo-{args.model_type}", stop_within=0,
-                         overhead_budget=OVERHEAD_BUDGET)
+                         overhead_budget=OVERHEAD_BUDGET, walk_interval=0)
         view = _View(console, "pass 1/2: watch only", args.steps, 1)
         first = view.run(lambda cb: decode_pass(model, path, prompts, args.steps, leaky, cb))
     if first.stopped is not None:
@@ -170,7 +171,7 @@ def _passes(args: argparse.Namespace, model, console, real_limit: int):
                       "watchdog stopped the decode cleanly (Watchdog(stop_within=0)).")
     steps_done = first.decode_steps
     fixed = Watchdog(args.limit, name=f"demo-{args.model_type}-fixed", fix=True, fix_every=1,
-                     overhead_budget=OVERHEAD_BUDGET)
+                     overhead_budget=OVERHEAD_BUDGET, walk_interval=0)
     view = _View(console, "pass 2/2: Watchdog(fix=True)", steps_done, len(prompts))
     second = view.run(lambda cb: decode_pass(model, path, prompts, steps_done, fixed, cb))
     return first, second

@@ -832,7 +832,7 @@ def _child_main(config: dict) -> int:
             model, tokenizer, _ = load_model(config["model"])
             prompts = batch_prompts(encode_prompts(tokenizer, config["prompts"]), config["batch_size"])
         watchdog = Watchdog(config["limit"], name="to-the-limit", export=False,
-                            overhead_budget=CHILD_OVERHEAD_BUDGET)
+                            overhead_budget=CHILD_OVERHEAD_BUDGET, walk_interval=0)
     except (UsageError, ValueError) as exc:
         _emit({"event": "error", "usage": True, "error": str(exc)})
         return EXIT_USAGE

@@ -42,7 +42,7 @@ import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from .attach import unwatch_model, watch_model, watched_state
-from .cli import fraction, port_number, positive_int, split_server_argv, step_count
+from .cli import fraction, port_number, positive_int, seconds, split_server_argv, step_count
 from .core import ResourceLimitForecast, Watchdog
 
 logger = logging.getLogger("mlx_watchdog")
@@ -52,6 +52,7 @@ DEFAULT_METRICS_ADDR = "127.0.0.1"
 # The finish_reason of a completion the watchdog cut short (OpenAI clients pass unknown values on).
 STOP_FINISH_REASON = "resource_limit"
 DEFAULT_OVERHEAD_BUDGET = inspect.signature(Watchdog).parameters["overhead_budget"].default
+DEFAULT_WALK_INTERVAL = inspect.signature(Watchdog).parameters["walk_interval"].default
 SERVER_PROG = "mlx_lm.server"
 
 # Where mlx_lm.server is hooked: (class name, method name).
@@ -96,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        metavar="FRACTION",
                        help="share of the decode's wall time the watchdog may spend measuring "
                             "(default: %(default)s); raise it on a busy machine to measure more often")
+    group.add_argument("--walk-interval", type=seconds, default=DEFAULT_WALK_INTERVAL, metavar="SECONDS",
+                       help="seconds of decode between two graph walks once a decode's first walks "
+                            "are done (default: 0.5, or longer where walks are dear, so that they "
+                            "take 0.1%% of decode time; 0: as often as the budget allows)")
     group.add_argument("--adapt-prefill", action="store_true", default=False,
                        help="shrink the server's prefill chunks to what the watchdog measures as safe "
                             "(needs mlx_watchdog.prefill)")
@@ -153,6 +158,10 @@ def watchdog_options(args: argparse.Namespace) -> dict:
     budget = get("overhead_budget", DEFAULT_OVERHEAD_BUDGET)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
         raise ValueError(f"--overhead-budget must be a fraction in (0, 1], got {budget!r}")
+    interval = get("walk_interval", DEFAULT_WALK_INTERVAL)
+    if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float))
+                                 or not 0 <= interval < math.inf):
+        raise ValueError(f"--walk-interval must be a finite number of seconds >= 0, got {interval!r}")
     if not get("no_metrics", False):
         port = get("metrics_port", DEFAULT_METRICS_PORT)
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -167,6 +176,7 @@ def watchdog_options(args: argparse.Namespace) -> dict:
         "warn_within": get("warn_within"),
         "stop_within": get("stop_within"),
         "overhead_budget": float(budget),
+        "walk_interval": None if interval is None else float(interval),
     }
 
 
