@@ -217,8 +217,36 @@ def test_batched_decode_is_identical_with_fix(case, watching):
     assert wd.steps >= n and wd.internal_errors == 0
     if case == "rotating":
         assert any("Rotating" in type(c).__name__ for c in seen[-1])
-    else:  # BatchKVCache.offset and ArraysCache.left_padding stay pending between steps
+    if case == "qwen3_next":  # ArraysCache.left_padding grows while pending: the fix cut it
         assert wd.materialized_arrays > 0
+    else:  # BatchKVCache.offset stays pending between steps but never grows: left to the model
+        assert wd.forecast().leaks == ()
+
+
+def test_the_fix_cuts_growing_sites_and_leaves_bounded_ones_to_the_model(watching, monkeypatch):
+    """Once probed, the fix schedules only the pending arrays of the sites that grow (here
+    left_padding, one per linear-attention layer); a full sweep every FULL_SWEEP_FIXES fixes
+    still schedules every pending array (BatchKVCache.offset, which the next forward evaluates
+    anyway, too). Outputs are unchanged either way (test_batched_decode_is_identical_with_fix)."""
+    m = model("qwen3_next", LEAK_LAYERS)
+    wd = Watchdog(fix=True, fix_every=1, export=False)
+    scheduled = []
+
+    def recording_async_eval(arrays):
+        scheduled.append(len(arrays))
+        return mx.async_eval(arrays)
+
+    def on_step(step, gen):
+        if step == 30:  # probed by now
+            assert wd._growing_sites == {LEAK_SITE}
+            monkeypatch.setattr(core, "mx", MxProxy(async_eval=recording_async_eval))
+
+    watching(m, wd)
+    batched_decode(m, PROMPTS, 30 + 3 * core.FULL_SWEEP_FIXES, on_step=on_step)
+    linear_layers = LEAK_LAYERS - LEAK_LAYERS // 4
+    assert scheduled and min(scheduled) == linear_layers  # the left_padding arrays only
+    assert max(scheduled) > linear_layers  # the sweeps: everything pending
+    assert wd.forecast().leaks[0].site == LEAK_SITE
 
 
 def test_deepseek_v41_cannot_be_batched_watched_or_not(watching):

@@ -364,8 +364,8 @@ class Watchdog:
         spent = self._budget_spent - self._series_budget_spent
         return spent + self._last_walk_cost <= allowed
 
-    def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[mx.array]:
-        """Walk and account the roots; returns the arrays found pending."""
+    def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[tuple[str, mx.array]]:
+        """Walk and account the roots; returns the arrays found pending, with their sites."""
         t0 = time.perf_counter()
         result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
         self._empty_walks = 0 if result.found else self._empty_walks + 1
@@ -376,7 +376,7 @@ class Watchdog:
         self._paths = [f.steps for f in result.found if all(kind != "set" for kind, _ in f.steps)]
         reading = account([f.array for f in result.found])
         # Between walks the fix re-reads only where pending arrays were seen (see _fix).
-        self._pending_paths = [f.steps for f, done in zip(result.found, reading.evaluated_by_array)
+        self._pending_paths = [(f.site, f.steps) for f, done in zip(result.found, reading.evaluated_by_array)
                                if not done and all(kind != "set" for kind, _ in f.steps)]
 
         sites: dict[str, list] = {}
@@ -429,20 +429,27 @@ class Watchdog:
                 self.on_forecast(self.forecast())
             except Exception as exc:
                 self._internal_error("on_forecast callback", exc)
-        return [f.array for f, done in zip(result.found, reading.evaluated_by_array) if not done]
+        return [(f.site, f.array) for f, done in zip(result.found, reading.evaluated_by_array) if not done]
 
-    def _fix(self, roots: Any, walked_pending: Optional[list[mx.array]], step: int) -> None:
-        # Between walks, re-read only the paths the last walk saw pending (a few per layer instead
-        # of every cache array), and schedule them unchecked: telling a pending array costs ~5 us
-        # (MLX raises), scheduling an evaluated one ~0.1 us. Every FULL_SWEEP_FIXES-th fix
-        # re-reads every path, so a site that starts pending later is cut within that many steps
-        # even before the next walk.
+    def _fix(self, roots: Any, walked_pending: Optional[list[tuple[str, mx.array]]], step: int,
+             sweep: bool = False) -> None:
+        # Once the probes have measured the sites, the fix cuts the pending arrays of the sites
+        # that grow; a pending array that does not grow (a counter the next forward evaluates,
+        # rows the model drains itself) is work the program does anyway, and evaluating it early
+        # costs ~10 us an array on a GPU. Between walks it re-reads only the paths the last walk
+        # saw pending and schedules them unchecked: telling a pending array costs ~5 us (MLX
+        # raises), scheduling an evaluated one ~0.1 us. Every FULL_SWEEP_FIXES-th fix sweeps
+        # every path and every pending array, so a site that starts leaking after the last walk
+        # is cut within that many fixes.
         self._fixes += 1
         fix_started = time.perf_counter()
-        if walked_pending is not None:
-            pending = walked_pending
-        elif self._pending_paths is not None and self._fixes % FULL_SWEEP_FIXES:
-            pending = self._resolve_arrays(roots, self._pending_paths)
+        growing = self._growing_sites
+        sweep = sweep or self._fixes % FULL_SWEEP_FIXES == 0
+        if walked_pending is not None and not sweep:
+            pending = [a for site, a in walked_pending if growing is None or site in growing]
+        elif self._pending_paths is not None and not sweep:
+            pending = self._resolve_arrays(
+                roots, [steps for site, steps in self._pending_paths if growing is None or site in growing])
         else:
             pending = [a for a in self._resolve_arrays(roots) if not is_evaluated(a)]
         try:
@@ -501,7 +508,7 @@ class Watchdog:
             if self.fix and _evaluated_output(last_output):
                 # Try the fix first: materialize everything now and measure again.
                 self._probe = None
-                self._fix(roots, None, step)
+                self._fix(roots, None, step, sweep=True)
                 self._walk(roots, step)
                 forecast = self.forecast()
                 stl = forecast.steps_to_limit
@@ -524,6 +531,7 @@ class Watchdog:
         self._sites: dict[str, _SiteSeries] = {}
         self._leaks: tuple[fc.Leak, ...] = ()
         self._probed_growth: Optional[float] = None
+        self._growing_sites: Optional[set[str]] = None
         self._rate = 0.0
         self._measured_step = self.steps
         self._measured_resident = self._parameter_buffers
@@ -543,17 +551,20 @@ class Watchdog:
     def _update_leaks(self) -> None:
         """Per-site rates, computed once per walk (not per step or per scrape). Holds the lock."""
         fixing = self.fix and self._fixed_once
-        leaks, probed = [], []
+        leaks, probed, growing = [], [], set()
         for site, series in self._sites.items():
             site_rate = series.rate(fixing)
             site_probed = series.probed_rate()
             if site_probed is not None:
                 probed.append(site_probed)
+                if site_probed > LEAK_THRESHOLD:
+                    growing.add(site)
             if site_rate > LEAK_THRESHOLD:
                 leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers))
         leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
         self._leaks = tuple(leaks)
         self._probed_growth = sum(probed) if probed else None
+        self._growing_sites = growing if probed else None  # None: not probed yet, the fix cuts all
 
     def _resident_now(self, step: int) -> float:
         return self._measured_resident + max(0.0, self._rate) * (step - self._measured_step)
