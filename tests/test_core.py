@@ -331,3 +331,31 @@ def test_dear_walks_are_spaced_to_a_thousandth_of_decode_time(monkeypatch):
     gaps = {b - a for a, b in zip(later, later[1:])}
     assert gaps and gaps <= {249, 250, 251}, gaps  # 3.9 s of decode at 1/64 s per step
     assert wd.forecast().buffers_per_step == pytest.approx(1.0)
+
+
+def test_many_short_decodes_share_one_budget(monkeypatch):
+    # A server starts a new series with every change of its batch; each new series is walked
+    # densely at first, but from one budget for the watchdog's lifetime, not a credit per series.
+    clock = FakeClock()
+    monkeypatch.setattr(core, "time", clock)
+    real_account = core.account
+    walk_cost = 2 ** -10  # ~1 ms
+
+    def costly_account(arrays):
+        clock.now += walk_cost
+        return real_account(arrays)
+
+    monkeypatch.setattr(core, "account", costly_account)
+    wd = Watchdog(limit=10**6, export=False)
+    decode = 0.0
+    for request in range(200):
+        cache = ScalarCache()  # a new request: new roots, a new series
+        for _ in range(20):
+            wd.observe(cache)
+            cache.step()
+            clock.now += STEP
+            decode += STEP
+    assert decode > 10 * core.WALK_CREDIT_SECONDS / 0.01
+    # The watched decode's wall time includes the watchdog's own time.
+    assert wd.overhead_seconds <= 0.01 * (decode + wd.overhead_seconds) + walk_cost
+    assert wd.walks >= 200  # every request still gets measured

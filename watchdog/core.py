@@ -5,11 +5,12 @@ One ``Watchdog`` follows one model's decode. ``observe(roots)`` runs once per st
 previous step (observing right after the forward would walk the whole forward graph).
 
 Cost control: a graph walk is O(graph) and cannot be cut short, so walks are *sampled*.
-Each decode is walked densely at first (its first ``DENSE_WALKS`` walks, paid from a small
-start-up credit), then at most once per ``walk_interval`` seconds of decode, by default every
+Each decode is walked densely at first (its first ``DENSE_WALKS`` walks), then at most once
+per ``walk_interval`` seconds of decode, by default every
 half second or, when walks are dear, far enough apart that they take 0.1% of decode time: a
-forecast of a limit hours away needs no more. Over both, the watchdog's own time stays within
-``overhead_budget`` of the decode's wall time. Between walks the forecast extrapolates.
+forecast of a limit hours away needs no more. Over both, and over every decode the watchdog
+follows, its own time stays within ``overhead_budget`` of the decode's wall time (after a small
+start-up credit). Between walks the forecast extrapolates.
 """
 
 from __future__ import annotations
@@ -349,7 +350,6 @@ class Watchdog:
         self._act(roots, last_output, step)
 
     def _walk_due(self, now: float) -> bool:
-        elapsed = self._decode_seconds - self._series_decode_seconds
         if self._series_walks >= DENSE_WALKS:
             interval = self.walk_interval
             if interval is None:
@@ -357,12 +357,13 @@ class Watchdog:
             if self._decode_seconds - self._last_walk_decode < interval:
                 return False
         # Everything observe() spends counts, not only walks (wall time: that is what the decode
-        # loses; CPU time undercounts on a busy machine, measured 2.9% vs 1%). The start-up
-        # credit is a floor, not a bonus: past WALK_CREDIT_SECONDS / overhead_budget of decode
-        # the watchdog has spent at most overhead_budget of it.
-        allowed = max(self.overhead_budget * elapsed, WALK_CREDIT_SECONDS)
-        spent = self._budget_spent - self._series_budget_spent
-        return spent + self._last_walk_cost <= allowed
+        # loses; CPU time undercounts on a busy machine, measured 2.9% vs 1%). The budget runs
+        # over the watchdog's lifetime, not per decode: a server starts a new series with every
+        # change of its batch, and a credit per series would let short requests cost more than
+        # the budget. The start-up credit is a floor, not a bonus: past
+        # WALK_CREDIT_SECONDS / overhead_budget of decode, at most overhead_budget is spent.
+        allowed = max(self.overhead_budget * self._decode_seconds, WALK_CREDIT_SECONDS)
+        return self._budget_spent + self._last_walk_cost <= allowed
 
     def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[tuple[str, mx.array]]:
         """Walk and account the roots; returns the arrays found pending, with their sites."""
@@ -542,11 +543,8 @@ class Watchdog:
         self._last_fix_step = self.steps
         self._probe: Optional[tuple] = None
         self._empty_walks = 0
-        self._series_decode_seconds = self._decode_seconds
-        self._series_budget_spent = self._budget_spent
         self._series_walks = 0
         self._last_walk_decode = self._decode_seconds
-        self._last_walk_cost = 0.0
 
     def _update_leaks(self) -> None:
         """Per-site rates, computed once per walk (not per step or per scrape). Holds the lock."""
