@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -68,14 +69,22 @@ def robust_slope(points: Sequence[tuple[float, float]]) -> float:
     several bursts most pairs are far apart and see the long-run trend."""
     if len(points) < 2:
         return 0.0
+    first = points[0][1]
+    if all(y == first for _, y in points):  # flat (most sites, most of the time): no pairs needed
+        return 0.0
     data = np.asarray(points, dtype=np.float64)
     x, y = data[:, 0], data[:, 1]
-    i, j = np.triu_indices(len(x), k=1)
+    i, j = _pairs(len(x))
     dx = x[j] - x[i]
     keep = dx > 0
     if not keep.any():
         return 0.0
     return float(np.median((y[j] - y[i])[keep] / dx[keep]))
+
+
+@functools.lru_cache(maxsize=8)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(n, k=1)
 
 
 def steps_to_limit(resident: float, limit: int, rate: float) -> float:

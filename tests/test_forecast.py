@@ -1,0 +1,52 @@
+"""The growth-rate fit (Theil-Sen) against a plain reference, and the limit arithmetic."""
+
+import math
+import statistics
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_watchdog.forecast import robust_slope, seconds_from_steps, steps_to_limit
+
+
+def reference_slope(points):
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:] if x2 > x1]
+    return statistics.median(slopes) if slopes else 0.0
+
+
+steps = st.integers(min_value=0, max_value=10**6)
+values = st.integers(min_value=0, max_value=10**6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(steps, values), max_size=64))
+def test_robust_slope_is_the_median_of_pairwise_slopes(points):
+    points = sorted(points)
+    assert math.isclose(robust_slope(points), reference_slope(points), rel_tol=1e-9, abs_tol=1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(steps, min_size=2, max_size=64, unique=True), values)
+def test_a_flat_series_has_slope_zero(xs, level):
+    assert robust_slope([(x, level) for x in sorted(xs)]) == 0.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(min_value=8, max_value=40), st.integers(min_value=2, max_value=200), st.integers(0, 10**4))
+def test_bursty_growth_gives_the_long_run_rate(bursts, period, offset):
+    # A chain that grows +1/step for `period` steps, then loses half of it: 0.5/step in the long
+    # run. Sampled at 64 evenly spread steps (as sampled walks see it), the fit finds that rate.
+    def level(step):
+        return (step // period) * period / 2 + step % period
+
+    span = bursts * period
+    points = [(offset + k * span // 64, level(k * span // 64)) for k in range(64)]
+    assert abs(robust_slope(points) - 0.5) <= 0.2
+
+
+def test_limit_arithmetic():
+    assert steps_to_limit(100, 1000, 0.0) == math.inf
+    assert steps_to_limit(100, 1000, 3.0) == 300
+    assert steps_to_limit(1000, 1000, 3.0) == 0.0
+    assert seconds_from_steps(300, 10.0) == 30.0
+    assert seconds_from_steps(math.inf, 10.0) == math.inf
