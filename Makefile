@@ -43,6 +43,8 @@ test: system-deps $(STAMP) sdist
 bench: $(STAMP)
 	$(PY) benchmarks/decode_tokens_per_s.py --model llama --steps 2000 --reps 5 --chunk 100
 	$(PY) benchmarks/decode_tokens_per_s.py --model qwen3_next --steps 2000 --reps 5 --chunk 100
+	$(PY) benchmarks/decode_tokens_per_s.py --model llama --layers 4 --hidden 512 --steps 600 --reps 5 --chunk 100 --variants unwatched,aa,handfix,watched,fix
+	$(PY) benchmarks/decode_tokens_per_s.py --model qwen3_next --layers 4 --long --reps 3 --variants unwatched,aa,watched,fix
 	$(PY) benchmarks/leak_overhead.py --steps 20000 --chunk 1000
 
 clean:

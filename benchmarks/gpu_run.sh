@@ -8,9 +8,13 @@
 # Parts (each fits in a 10-minute command on an H200; "all" runs the first two):
 #   llama       leak-free dense llama, realistic shape (48 layers, hidden 2048, random bf16 weights),
 #               through generate_step: every variant, 600 steps x 5 interleaved repetitions
+#               (the H200 host's noise floor was 10-30% per repetition in runs of this length)
 #   qwen3_next  the leaking hybrid through BatchGenerator (48 layers, 36 linear-attention layers,
 #               hidden 2048, 32 experts, bf16), 4 equal-length prompts: every variant, 300 steps x 3
-#   long        the leaking model over 10,000 steps: unwatched, watched+fix (1 repetition)
+#   long        the leaking model over 10,000 tokens (2,500 steps x batch 4): unwatched, watched+fix,
+#               2 repetitions (~470 s on an H200: run it alone, with the 600 s limit)
+# Progress goes to $OUT/decode_gpu.log as it happens: a run cut by its time limit still leaves it.
+# Do not pipe the command through `tail`: it prints nothing until the end.
 # Results (markdown) go to $OUT/decode_gpu.md, progress to $OUT/decode_gpu.log.
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the results}"
@@ -39,14 +43,14 @@ EOF
 bench() { "$PY" benchmarks/decode_tokens_per_s.py "$@" ${EXTRA:-} --out "$RESULT" 2>>"$LOG"; }
 
 LLAMA=(--model llama --layers 48 --hidden 2048 --vocab 32000 --dtype bfloat16 --prompt-len 128)
-QWEN=(--model qwen3_next --layers 48 --hidden 2048 --vocab 32000 --experts 32 --dtype bfloat16 --batch 4 --prompt-len 128)
+QWEN=(--model qwen3_next --layers 48 --hidden 2048 --vocab 32000 --experts 32 --dtype bfloat16 --batch 4 --prompt-len 64)
 
 ALL=unwatched,aa,handfix,every256,watched,fix,fix4,fix16
 
 case "$PART" in
   llama) bench "${LLAMA[@]}" --steps 600 --reps 5 --chunk 100 --variants "$ALL" ;;
   qwen3_next) bench "${QWEN[@]}" --steps 300 --reps 3 --chunk 100 --variants "$ALL" ;;
-  long) bench "${QWEN[@]}" --long --steps 10000 --reps 1 --chunk 500 --variants unwatched,fix ;;
+  long) bench "${QWEN[@]}" --steps 2500 --reps 2 --chunk 250 --variants unwatched,fix ;;
   all)
     bench "${LLAMA[@]}" --steps 600 --reps 5 --chunk 100 --variants "$ALL"
     bench "${QWEN[@]}" --steps 300 --reps 3 --chunk 100 --variants "$ALL"

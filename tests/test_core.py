@@ -251,19 +251,37 @@ class FakeClock:
 STEP = 1 / 64  # seconds per fake decode step (exact in binary, so 0.5 s is exactly 32 steps)
 
 
-def test_walks_are_dense_at_first_then_one_per_walk_interval(monkeypatch):
-    clock = FakeClock()
-    monkeypatch.setattr(core, "time", clock)
-    cache = ScalarCache()
-    wd = Watchdog(limit=10**6, export=False)  # default walk_interval: 0.5 s
+def fake_decode(wd, cache, clock, steps):
+    """Observe ``steps`` steps of a chain that grows 1/step, STEP apart; the steps that walked."""
     walked_at = []
-    for step in range(1, 1001):
+    for step in range(1, steps + 1):
         walks = wd.walks
         wd.observe(cache)
         if wd.walks > walks:
             walked_at.append(step)
         cache.step()
         clock.now += STEP
+    return walked_at
+
+
+def charge_walks(monkeypatch, clock, cost):
+    """Make each walk take ``cost(reading)`` seconds of the fake clock."""
+    real_account = core.account
+
+    def costly_account(arrays):
+        reading = real_account(arrays)
+        clock.now += cost(reading)
+        return reading
+
+    monkeypatch.setattr(core, "account", costly_account)
+
+
+def test_walks_are_dense_at_first_then_one_per_walk_interval(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(core, "time", clock)
+    cache = ScalarCache()
+    wd = Watchdog(limit=10**6, export=False)  # default walk_interval: 0.5 s
+    walked_at = fake_decode(wd, cache, clock, 1000)
     assert walked_at[:core.DENSE_WALKS] == list(range(1, core.DENSE_WALKS + 1))
     later = walked_at[core.DENSE_WALKS - 1:]
     assert {b - a for a, b in zip(later, later[1:])} == {32}  # 0.5 s of decode at 1/64 s per step
@@ -282,14 +300,7 @@ def test_walks_stay_within_the_budget_when_a_leak_is_left_unfixed(monkeypatch):
     # still come to at most overhead_budget of the decode, amortized; the credit is no bonus.
     clock = FakeClock()
     monkeypatch.setattr(core, "time", clock)
-    real_account = core.account
-
-    def costly_account(arrays):
-        reading = real_account(arrays)
-        clock.now += 2e-5 * (reading.pending_nodes + reading.retained_buffers + 100)
-        return reading
-
-    monkeypatch.setattr(core, "account", costly_account)
+    charge_walks(monkeypatch, clock, lambda reading: 2e-5 * (reading.pending_nodes + reading.retained_buffers + 100))
     cache = ScalarCache()
     wd = Watchdog(limit=10**6, export=False, overhead_budget=0.01, walk_interval=0)
     decode = 0.0
@@ -309,24 +320,9 @@ def test_dear_walks_are_spaced_to_a_thousandth_of_decode_time(monkeypatch):
     # The default walk_interval (None): 0.5 s, or longer when one walk costs more than 0.5 ms.
     clock = FakeClock()
     monkeypatch.setattr(core, "time", clock)
-    real_account = core.account
-    walk_cost = 2 ** -8  # seconds (3.9 ms): walks 3.9 s apart take 0.1% of decode time
-
-    def costly_account(arrays):
-        clock.now += walk_cost
-        return real_account(arrays)
-
-    monkeypatch.setattr(core, "account", costly_account)
-    cache = ScalarCache()
+    charge_walks(monkeypatch, clock, lambda reading: 2 ** -8)  # 3.9 ms: 3.9 s apart is 0.1% of decode
     wd = Watchdog(limit=10**6, export=False)
-    walked_at = []
-    for step in range(1, 3001):
-        walks = wd.walks
-        wd.observe(cache)
-        if wd.walks > walks:
-            walked_at.append(step)
-        cache.step()
-        clock.now += STEP
+    walked_at = fake_decode(wd, ScalarCache(), clock, 3000)
     later = walked_at[core.DENSE_WALKS - 1:]
     gaps = {b - a for a, b in zip(later, later[1:])}
     assert gaps and gaps <= {249, 250, 251}, gaps  # 3.9 s of decode at 1/64 s per step
@@ -338,14 +334,8 @@ def test_many_short_decodes_share_one_budget(monkeypatch):
     # densely at first, but from one budget for the watchdog's lifetime, not a credit per series.
     clock = FakeClock()
     monkeypatch.setattr(core, "time", clock)
-    real_account = core.account
     walk_cost = 2 ** -10  # ~1 ms
-
-    def costly_account(arrays):
-        clock.now += walk_cost
-        return real_account(arrays)
-
-    monkeypatch.setattr(core, "account", costly_account)
+    charge_walks(monkeypatch, clock, lambda reading: walk_cost)
     wd = Watchdog(limit=10**6, export=False)
     decode = 0.0
     for request in range(200):
