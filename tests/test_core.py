@@ -349,3 +349,20 @@ def test_many_short_decodes_share_one_budget(monkeypatch):
     # The watched decode's wall time includes the watchdog's own time.
     assert wd.overhead_seconds <= 0.01 * (decode + wd.overhead_seconds) + walk_cost
     assert wd.walks >= 200  # every request still gets measured
+
+
+def test_a_new_decode_starts_a_new_series_and_a_rewrapped_one_does_not():
+    caches = [ScalarCache() for _ in range(5)]
+    wd = Watchdog(limit=10**6, export=False, overhead_budget=1.0, walk_interval=0)
+    for _ in range(10):
+        wd.observe(list(caches))  # a new list each step around the same caches (as a wrapper may build)
+        for c in caches:
+            c.step()
+    assert wd.forecast().buffers_per_step == pytest.approx(5.0)
+    for replaced in (0, 2, 4):  # a new cache anywhere in the list: a new decode
+        wd.observe(caches[:replaced] + [ScalarCache()] + caches[replaced + 1:])
+        assert wd.forecast().buffers_per_step == 0.0 and wd._samples and len(wd._samples) == 1
+        wd.observe(list(caches))  # and back: new again
+        assert len(wd._samples) == 1
+    wd.observe(caches[:4])  # one cache fewer (a finished sequence): new
+    assert len(wd._samples) == 1

@@ -600,10 +600,16 @@ def _evaluated_output(output: Any) -> bool:
 
 
 def _identity(roots: Any) -> tuple:
-    """Cheap identity of the roots (C-speed: no isinstance per element). Equal to the last step's
-    means the same caches; it differs every step for a list of arrays, then root_key decides."""
+    """Cheap identity of the roots, O(1): the container and its first, middle and last items.
+    Equal to the last step's means the same caches (mlx-lm builds a new list when a batch
+    changes); it differs every step for a list of arrays, then root_key decides. In a real
+    decode, Python runs 5-10x slower than in a hot loop: reading all 48 ids of a 48-layer cache
+    list took 20 us a step there."""
     if isinstance(roots, (list, tuple)):
-        return (id(roots), len(roots)) + tuple(map(id, roots[:64]))
+        n = len(roots)
+        if n == 0:
+            return (id(roots), 0)
+        return (id(roots), n, id(roots[0]), id(roots[n // 2]), id(roots[-1]))
     return (id(roots),)
 
 
