@@ -125,7 +125,9 @@ class Watchdog:
         limit: the buffer limit; ``None`` takes the device's ``resource_limit`` where MLX reports
             one (Metal), else 499,000.
         name: the ``watchdog`` label of exported metrics (default: set from the model, else "default").
-        fix: materialize every pending cache array on each observed step (cuts lazy chains).
+        fix: materialize pending cache arrays (``mx.async_eval``: cuts lazy chains, no wait on
+            the device): those of the sites seen growing, and every pending one each
+            ``FULL_SWEEP_FIXES``-th fix and before a stop.
         fix_every: run the fix every N observed steps.
         warn_within: log a warning when the limit is forecast within this many steps (at most once a minute).
         stop_within: raise :class:`ResourceLimitForecast` when the limit is forecast within this many steps.
