@@ -191,14 +191,10 @@ class Decode:
         """The watchdog budgets its walks as a fraction of its decode time (the gaps between
         its steps, each capped at a second). Taking turns, the gap at the start of a turn
         would include the other variants' turns and grant it extra budget: move its clocks
-        forward by the time it sat out, as if it had run alone. (Private attributes, of this
-        and of earlier versions of the core: benchmark only.)"""
-        if self.wd is None:
-            return
-        sat_out = time.perf_counter() - self._paused_at
-        for name in ("_last_observe", "_started", "_series_started"):
-            if getattr(self.wd, name, None) is not None:
-                setattr(self.wd, name, getattr(self.wd, name) + sat_out)
+        forward by the time it sat out, as if it had run alone. (A private attribute of the
+        core: benchmark only.)"""
+        if self.wd is not None and self.wd._last_observe is not None:
+            self.wd._last_observe += time.perf_counter() - self._paused_at
 
     def live_cache(self):
         return self.cache if self.path == "plain" else self.gen._generation_batch.prompt_cache

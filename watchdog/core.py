@@ -91,7 +91,6 @@ class _SiteSeries:
 
     def __init__(self) -> None:
         self.total = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, held + retained)
-        self.held = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, evaluated arrays at the site)
         self.growth = collections.deque(maxlen=16)  # buffers/step seen by fix-mode probes (signed)
         self.paths: tuple[str, ...] = ()
         self.buffers = 0
@@ -203,8 +202,7 @@ class Watchdog:
 
         self._lock = threading.RLock()
         self._parameter_buffers = 0
-        self._started: Optional[float] = None
-        self._last_observe = 0.0
+        self._last_observe: Optional[float] = None  # None until the first observed step
         self._decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
         self._last_walk_cost = 0.0
         self._budget_spent = 0.0  # seconds of observe() charged to the walk budget
@@ -320,9 +318,7 @@ class Watchdog:
             self._root_key = key
             self._paths = self._pending_paths = None
         with self._lock:
-            if self._started is None:
-                self._started = start
-            elif start - self._last_observe > 0:
+            if self._last_observe is not None and start - self._last_observe > 0:
                 # Decode time: the gaps between steps, each capped, so idle time (a server between
                 # requests, a program doing other work) does not bank walking budget.
                 self._decode_seconds += min(start - self._last_observe, MAX_STEP_SECONDS)
@@ -376,11 +372,11 @@ class Watchdog:
             self._warn_once("empty", "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)", type(roots).__name__)
         if result.truncated:
             self._warn_once("cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut)
-        self._paths = [f.steps for f in result.found if all(kind != "set" for kind, _ in f.steps)]
+        self._paths = [f.steps for f in result.found if _resolvable(f.steps)]
         reading = account([f.array for f in result.found])
+        pending = [f for f, done in zip(result.found, reading.evaluated_by_array) if not done]
         # Between walks the fix re-reads only where pending arrays were seen (see _fix).
-        self._pending_paths = [(f.site, f.steps) for f, done in zip(result.found, reading.evaluated_by_array)
-                               if not done and all(kind != "set" for kind, _ in f.steps)]
+        self._pending_paths = [(f.site, f.steps) for f in pending if _resolvable(f.steps)]
 
         sites: dict[str, list] = {}
         for f, done, retained in zip(result.found, reading.evaluated_by_array, reading.retained_by_array):
@@ -432,7 +428,7 @@ class Watchdog:
                 self.on_forecast(self.forecast())
             except Exception as exc:
                 self._internal_error("on_forecast callback", exc)
-        return [(f.site, f.array) for f, done in zip(result.found, reading.evaluated_by_array) if not done]
+        return [(f.site, f.array) for f in pending]
 
     def _fix(self, roots: Any, walked_pending: Optional[list[tuple[str, mx.array]]], step: int,
              sweep: bool = False) -> None:
@@ -446,7 +442,7 @@ class Watchdog:
         # is cut within that many fixes.
         self._fixes += 1
         fix_started = time.perf_counter()
-        growing = self._growing_sites
+        growing = self._growing_sites  # None: not probed yet, every pending site is cut
         sweep = sweep or self._fixes % FULL_SWEEP_FIXES == 0
         if walked_pending is not None and not sweep:
             pending = [a for site, a in walked_pending if growing is None or site in growing]
@@ -483,7 +479,7 @@ class Watchdog:
         if paths is None:
             if self._paths is None:
                 result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
-                self._paths = [f.steps for f in result.found if all(kind != "set" for kind, _ in f.steps)]
+                self._paths = [f.steps for f in result.found if _resolvable(f.steps)]
             paths = self._paths
         arrays = []
         for steps in paths:
@@ -599,6 +595,11 @@ def _evaluated_output(output: Any) -> bool:
             if isinstance(item, mx.array):
                 return is_evaluated(item)
     return True
+
+
+def _resolvable(steps: tuple) -> bool:
+    """Can ``resolve`` find this path again? (Not through a set: sets have no order to follow.)"""
+    return all(kind != "set" for kind, _ in steps)
 
 
 def _identity(roots: Any) -> tuple:
