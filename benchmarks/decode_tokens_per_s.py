@@ -4,8 +4,10 @@ Each repetition decodes every variant from a fresh cache; the variants take turn
 machine, ``--chunk`` steps each, every round in a fresh random order (C A E B D, B D A E C, ...),
 so machine noise hits them alike. ``aa`` (unwatched again) shows the noise floor.
 Each chunk ends with ``mx.synchronize()`` so a variant pays for its own device work. For each
-variant: median tokens/s over the repetitions, interquartile range and min-max, and the median
-of the per-repetition ratio to ``unwatched`` (paired: same repetition, same moments).
+variant: median tokens/s over the repetitions, interquartile range and min-max, the median
+of the per-repetition ratio to ``unwatched`` (paired: same repetition, same moments), and the
+same per chunk: each chunk against ``unwatched``'s chunk of the same round (seconds apart), which
+gives reps x steps/chunk pairs instead of reps, for machines whose speed drifts within a run.
 Watched variants also report the watchdog's self-timed overhead (``wd.overhead_seconds``)
 against their decode time: that is NOT the real cost (MLX computes on its own thread while
 Python runs), the tokens/s ratio is. ``retained at end`` is how many buffers the pending
@@ -142,8 +144,9 @@ def report(args, runs, identical, wall, load_before, load_after, reproducible=Tr
         f"itself {'gave the same tokens in every repetition' if reproducible else 'gave DIFFERENT tokens across repetitions (the device is not reproducible run to run)'}",
         "",
         "| variant | median tok/s | IQR | min-max | tok/s vs unwatched (median of paired ratios) | paired min-max "
+        "| per-chunk paired ratio: median (IQR), pairs "
         "| CPU ms/token | CPU vs unwatched (paired) | self-timed overhead / decode time | retained at end | tokens identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for variant, rs in runs.items():
         tps = [r.tokens_per_s for r in rs]
@@ -151,11 +154,14 @@ def report(args, runs, identical, wall, load_before, load_after, reproducible=Tr
         ratios = [r.tokens_per_s / b.tokens_per_s for r, b in zip(rs, base)]
         cpu_ratios = [r.cpu_ms_per_token / b.cpu_ms_per_token for r, b in zip(rs, base)]
         overhead = [r.overhead_seconds / r.seconds for r in rs if r.overhead_seconds is not None]
+        chunk_ratios = [c / cb for r, b in zip(rs, base) for c, cb in zip(r.chunk_rates, b.chunk_rates)]
         if variant == "unwatched":
-            paired = "(reference) | | "
+            paired = "(reference) | | | "
             cpu_paired = "(reference)"
         else:
-            paired = (f"{_pct(statistics.median(ratios))} | {_pct(min(ratios))} .. {_pct(max(ratios))} | ")
+            c1, c3 = quartiles(chunk_ratios)
+            paired = (f"{_pct(statistics.median(ratios))} | {_pct(min(ratios))} .. {_pct(max(ratios))} | "
+                      f"{_pct(statistics.median(chunk_ratios))} ({_pct(c1)} .. {_pct(c3)}), {len(chunk_ratios)} | ")
             cpu_paired = _pct(statistics.median(cpu_ratios))
         lines.append(
             f"| {variant} | {statistics.median(tps):.1f} | {q1:.1f}-{q3:.1f} | {min(tps):.1f}-{max(tps):.1f} | "

@@ -152,6 +152,7 @@ class Decode:
         self.seconds = 0.0
         self.cpu_seconds = 0.0  # CPU time of the whole process (all threads) in the chunks
         self.tokens = 0
+        self.chunk_rates = []  # tokens/s of each timed chunk, in order (paired by round in the report)
         self.overhead0 = self.wd.overhead_seconds if self.wd else None
 
     def attach(self) -> None:
@@ -182,7 +183,9 @@ class Decode:
         start, cpu_start = time.perf_counter(), time.process_time()
         produced = self.advance(steps)
         mx.synchronize()  # this chunk's device work is paid by this chunk
-        self.seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.seconds += elapsed
+        self.chunk_rates.append(produced / elapsed)
         self.cpu_seconds += time.process_time() - cpu_start
         self.tokens += produced
         self._paused_at = time.perf_counter()
@@ -200,7 +203,8 @@ class Decode:
         return self.cache if self.path == "plain" else self.gen._generation_batch.prompt_cache
 
     def finish(self) -> "Run":
-        run = Run(self.variant, self.tokens, self.seconds, self.cpu_seconds, outputs=self.outputs)
+        run = Run(self.variant, self.tokens, self.seconds, self.cpu_seconds, outputs=self.outputs,
+                  chunk_rates=self.chunk_rates)
         if self.wd is not None:
             run.overhead_seconds = self.wd.overhead_seconds - self.overhead0
             run.walks = self.wd.walks
@@ -225,6 +229,7 @@ class Run:
     materialized: Optional[int] = None
     retained_at_end: Optional[int] = None  # buffers the cache's pending graphs keep at the end
     outputs: Optional[list] = None
+    chunk_rates: list = dataclasses.field(default_factory=list)  # tokens/s of each chunk, by round
 
     @property
     def tokens_per_s(self) -> float:

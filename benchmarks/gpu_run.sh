@@ -7,8 +7,9 @@
 #
 # Parts (each fits in a 10-minute command on an H200; "all" runs the first two):
 #   llama       leak-free dense llama, realistic shape (48 layers, hidden 2048, random bf16 weights),
-#               through generate_step: every variant, 600 steps x 5 interleaved repetitions
-#               (the H200 host's noise floor was 10-30% per repetition in runs of this length)
+#               through generate_step: issue 3's variants, 800 steps x 4 interleaved repetitions in
+#               chunks of 50 (64 paired chunks a variant; the H200 host's speed drifted 10-30% between
+#               repetitions in session 2)
 #   qwen3_next  the leaking hybrid through BatchGenerator (48 layers, 36 linear-attention layers,
 #               hidden 2048, 32 experts, bf16), 4 equal-length prompts: every variant, 300 steps x 3
 #   long        the leaking model over 10,000 tokens (2,500 steps x batch 4): unwatched, watched+fix,
@@ -48,7 +49,7 @@ QWEN=(--model qwen3_next --layers 48 --hidden 2048 --vocab 32000 --experts 32 --
 ALL=unwatched,aa,handfix,every256,watched,fix,fix4,fix16
 
 case "$PART" in
-  llama) bench "${LLAMA[@]}" --steps 600 --reps 5 --chunk 100 --variants "$ALL" ;;
+  llama) bench "${LLAMA[@]}" --steps 800 --reps 4 --chunk 50 --variants unwatched,aa,handfix,every256,watched,fix ;;
   qwen3_next) bench "${QWEN[@]}" --steps 300 --reps 3 --chunk 100 --variants "$ALL" ;;
   long) bench "${QWEN[@]}" --steps 2500 --reps 2 --chunk 250 --variants unwatched,fix ;;
   all)

@@ -35,6 +35,7 @@ def test_decode_benchmark_runs_and_every_variant_gives_the_same_tokens(tmp_path,
     retained = {v: int(cells[-2]) for v, cells in rows.items()}
     assert retained["unwatched"] == retained["watched"] > retained["fix"]  # the leak, and the fix cutting it
     assert "gave the same tokens in every repetition" in out.read_text()
+    assert rows["aa"][6].endswith(", 3") and rows["unwatched"][6] == ""  # 24 steps in chunks of 8: 3 pairs
 
 
 def test_observe_cost_runs(capsys):
