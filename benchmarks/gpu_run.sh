@@ -3,7 +3,7 @@
 # root on the GPU machine, with mlx (CUDA), mlx-lm, numpy and this project importable, e.g.:
 #
 #   pip install --no-deps --target /tmp/site . && export PYTHONPATH=/tmp/site
-#   OUT=/some/folder bash benchmarks/gpu_run.sh [all|llama|qwen3_next|long]
+#   OUT=/some/folder bash benchmarks/gpu_run.sh [all|llama|qwen3_next|long|steady]
 #
 # Parts (each fits in a 10-minute command on an H200; "all" runs the first two):
 #   llama       leak-free dense llama, realistic shape (48 layers, hidden 2048, random bf16 weights),
@@ -14,6 +14,9 @@
 #               hidden 2048, 32 experts, bf16), 4 equal-length prompts: every variant, 300 steps x 3
 #   long        the leaking model over 10,000 tokens (2,500 steps x batch 4): unwatched, watched+fix,
 #               2 repetitions (~470 s on an H200: run it alone, with the 600 s limit)
+#   steady      leak-free llama in long repetitions (3,000 steps, ~26 s a variant): the start-up walks
+#               and their 0.05 s credit weigh 0.2%, not 0.7% as in 800-step repetitions; unwatched,
+#               aa, handfix, fix, 3 repetitions (~330 s)
 # Progress goes to $OUT/decode_gpu.log as it happens: a run cut by its time limit still leaves it.
 # Do not pipe the command through `tail`: it prints nothing until the end.
 # Results (markdown) go to $OUT/decode_gpu.md, progress to $OUT/decode_gpu.log.
@@ -51,11 +54,12 @@ ALL=unwatched,aa,handfix,every256,watched,fix,fix4,fix16
 case "$PART" in
   llama) bench "${LLAMA[@]}" --steps 800 --reps 4 --chunk 50 --variants unwatched,aa,handfix,every256,watched,fix ;;
   qwen3_next) bench "${QWEN[@]}" --steps 300 --reps 3 --chunk 100 --variants "$ALL" ;;
+  steady) bench "${LLAMA[@]}" --steps 3000 --reps 3 --chunk 100 --variants unwatched,aa,handfix,fix ;;
   long) bench "${QWEN[@]}" --steps 2500 --reps 2 --chunk 250 --variants unwatched,fix ;;
   all)
     bench "${LLAMA[@]}" --steps 600 --reps 5 --chunk 100 --variants "$ALL"
     bench "${QWEN[@]}" --steps 300 --reps 3 --chunk 100 --variants "$ALL"
     ;;
-  *) echo "unknown part $PART (all|llama|qwen3_next|long)" >&2; exit 2 ;;
+  *) echo "unknown part $PART (all|llama|qwen3_next|long|steady)" >&2; exit 2 ;;
 esac
 echo "results in $RESULT"
