@@ -10,7 +10,9 @@ same per chunk: each chunk against ``unwatched``'s chunk of the same round (seco
 gives reps x steps/chunk pairs instead of reps, for machines whose speed drifts within a run.
 Watched variants also report the watchdog's self-timed overhead (``wd.overhead_seconds``)
 against their decode time: that is NOT the real cost (MLX computes on its own thread while
-Python runs), the tokens/s ratio is. ``retained at end`` is how many buffers the pending
+Python runs), the tokens/s ratio is. ``GC / decode time``: Python's garbage collector, wherever
+it ran (a collection the watchdog's allocations start may run in the decode's code, untimed by it).
+Diagnostic variants ``wrapped`` and ``nowalk`` take the watched cost apart. ``retained at end`` is how many buffers the pending
 graphs of the cache still keep alive at the end (the leak; walked after the timed chunks).
 
     # leak-free dense llama through generate_step, and the leaking batched qwen3_next:
@@ -145,8 +147,9 @@ def report(args, runs, identical, wall, load_before, load_after, reproducible=Tr
         "",
         "| variant | median tok/s | IQR | min-max | tok/s vs unwatched (median of paired ratios) | paired min-max "
         "| per-chunk paired ratio: median (IQR), pairs "
-        "| CPU ms/token | CPU vs unwatched (paired) | self-timed overhead / decode time | retained at end | tokens identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| CPU ms/token | CPU vs unwatched (paired) | self-timed overhead / decode time | GC / decode time "
+        "| retained at end | tokens identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for variant, rs in runs.items():
         tps = [r.tokens_per_s for r in rs]
@@ -167,6 +170,7 @@ def report(args, runs, identical, wall, load_before, load_after, reproducible=Tr
             f"| {variant} | {statistics.median(tps):.1f} | {q1:.1f}-{q3:.1f} | {min(tps):.1f}-{max(tps):.1f} | "
             f"{paired}{statistics.median(r.cpu_ms_per_token for r in rs):.3f} | {cpu_paired} | "
             + (f"{100 * statistics.median(overhead):.2f}%" if overhead else "")
+            + f" | {100 * statistics.median(r.gc_seconds / r.seconds for r in rs):.2f}%"
             + f" | {statistics.median(r.retained_at_end for r in rs):.0f} | {'yes' if identical[variant] else 'NO'} |"
         )
     return "\n".join(lines) + "\n"

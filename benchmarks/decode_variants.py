@@ -12,6 +12,9 @@ around each forward pass differs:
 * ``fix``             ``Watchdog(fix=True)`` with its default ``fix_every``
 * ``fix4``, ``fix16`` ``Watchdog(fix=True, fix_every=4 / 16)`` (to choose the default)
 * ``fixlow``          ``fix`` with a walk budget (``overhead_budget``) of 0.25% instead of 1%
+* ``wrapped``         diagnostic: ``watch_model`` with an observe() that does nothing (the model
+                      wrapper's own cost)
+* ``nowalk``          diagnostic: ``watched`` with walks switched off (observe()'s per-step bookkeeping)
 
 Needs only mlx, mlx-lm, numpy and mlx_watchdog (no prometheus/psutil/rich).
 """
@@ -19,6 +22,7 @@ Needs only mlx, mlx-lm, numpy and mlx_watchdog (no prometheus/psutil/rich).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 import time
 from typing import Any, Optional
@@ -33,8 +37,29 @@ from mlx_watchdog.graph import account
 from mlx_watchdog.introspect import find_arrays
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
-VARIANTS = ("unwatched", "aa", "handfix", "every256", "watched", "fix", "fix4", "fix16", "fixlow")
+VARIANTS = ("unwatched", "aa", "handfix", "every256", "watched", "fix", "fix4", "fix16", "fixlow",
+            "wrapped", "nowalk")
 LOW_BUDGET = 0.0025  # walk budget of ``fixlow`` (the default is 0.01)
+
+
+class _GCClock:
+    """Seconds spent in Python's garbage collector (gc.callbacks), wherever it was triggered: a
+    collection started by the watchdog's allocations may run in the decode's own code."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase, info) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+
+GC_CLOCK = _GCClock()
 
 
 def shape_overrides(model_type: str, hidden: int, vocab: int, experts: int) -> dict:
@@ -115,6 +140,15 @@ def watchdog_for(variant: str) -> Optional[Watchdog]:
         return Watchdog(export=False, fix=True, overhead_budget=LOW_BUDGET)
     if variant.startswith("fix") and variant[3:].isdigit():
         return Watchdog(export=False, fix=True, fix_every=int(variant[3:]))
+    # Diagnostics that take the watchdog apart (instance attributes shadow its methods; benchmark only)
+    if variant == "wrapped":
+        wd = Watchdog(export=False)
+        wd.observe = lambda roots, **kwargs: None
+        return wd
+    if variant == "nowalk":
+        wd = Watchdog(export=False)
+        wd._walk_due = lambda now: False
+        return wd
     return None
 
 
@@ -153,6 +187,7 @@ class Decode:
         self.cpu_seconds = 0.0  # CPU time of the whole process (all threads) in the chunks
         self.tokens = 0
         self.chunk_rates = []  # tokens/s of each timed chunk, in order (paired by round in the report)
+        self.gc_seconds = 0.0
         self.overhead0 = self.wd.overhead_seconds if self.wd else None
 
     def attach(self) -> None:
@@ -180,10 +215,11 @@ class Decode:
     def timed_chunk(self, steps: int) -> None:
         self.attach()
         self._resume_clock()
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, gc_start = time.perf_counter(), time.process_time(), GC_CLOCK.seconds
         produced = self.advance(steps)
         mx.synchronize()  # this chunk's device work is paid by this chunk
         elapsed = time.perf_counter() - start
+        self.gc_seconds += GC_CLOCK.seconds - gc_start
         self.seconds += elapsed
         self.chunk_rates.append(produced / elapsed)
         self.cpu_seconds += time.process_time() - cpu_start
@@ -204,7 +240,7 @@ class Decode:
 
     def finish(self) -> "Run":
         run = Run(self.variant, self.tokens, self.seconds, self.cpu_seconds, outputs=self.outputs,
-                  chunk_rates=self.chunk_rates)
+                  chunk_rates=self.chunk_rates, gc_seconds=self.gc_seconds)
         if self.wd is not None:
             run.overhead_seconds = self.wd.overhead_seconds - self.overhead0
             run.walks = self.wd.walks
@@ -230,6 +266,7 @@ class Run:
     retained_at_end: Optional[int] = None  # buffers the cache's pending graphs keep at the end
     outputs: Optional[list] = None
     chunk_rates: list = dataclasses.field(default_factory=list)  # tokens/s of each chunk, by round
+    gc_seconds: float = 0.0  # in Python's garbage collector during the timed chunks
 
     @property
     def tokens_per_s(self) -> float:

@@ -14,9 +14,10 @@
 #               hidden 2048, 32 experts, bf16), 4 equal-length prompts: every variant, 300 steps x 3
 #   long        the leaking model over 10,000 tokens (2,500 steps x batch 4): unwatched, watched+fix,
 #               2 repetitions (~470 s on an H200: run it alone, with the 600 s limit)
-#   steady      leak-free llama in long repetitions (3,000 steps, ~26 s a variant): the start-up walks
-#               and their 0.05 s credit weigh 0.2%, not 0.7% as in 800-step repetitions; unwatched,
-#               aa, handfix, fix, 3 repetitions (~330 s)
+#   steady      leak-free llama in long repetitions (2,500 steps, ~20 s a variant): the start-up walks
+#               and their 0.05 s credit weigh 0.25%, not 0.7% as in 800-step repetitions; with the
+#               diagnostic variants that take the watched cost apart (wrapped: the model wrapper only;
+#               nowalk: observe() without walks), 2 repetitions (~300 s)
 # Progress goes to $OUT/decode_gpu.log as it happens: a run cut by its time limit still leaves it.
 # Do not pipe the command through `tail`: it prints nothing until the end.
 # Results (markdown) go to $OUT/decode_gpu.md, progress to $OUT/decode_gpu.log.
@@ -54,7 +55,7 @@ ALL=unwatched,aa,handfix,every256,watched,fix,fix4,fix16
 case "$PART" in
   llama) bench "${LLAMA[@]}" --steps 800 --reps 4 --chunk 50 --variants unwatched,aa,handfix,every256,watched,fix ;;
   qwen3_next) bench "${QWEN[@]}" --steps 300 --reps 3 --chunk 100 --variants "$ALL" ;;
-  steady) bench "${LLAMA[@]}" --steps 3000 --reps 3 --chunk 100 --variants unwatched,aa,handfix,fix ;;
+  steady) bench "${LLAMA[@]}" --steps 2500 --reps 2 --chunk 100 --variants unwatched,aa,handfix,wrapped,nowalk,watched,fix ;;
   long) bench "${QWEN[@]}" --steps 2500 --reps 2 --chunk 250 --variants unwatched,fix ;;
   all)
     bench "${LLAMA[@]}" --steps 600 --reps 5 --chunk 100 --variants "$ALL"

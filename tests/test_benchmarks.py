@@ -27,13 +27,14 @@ def test_decode_benchmark_runs_and_every_variant_gives_the_same_tokens(tmp_path,
     out = tmp_path / "decode.md"
     monkeypatch.setattr(sys, "argv", ["decode_tokens_per_s.py"])
     assert decode_tokens_per_s.main(["--model", "qwen3_next", "--layers", "4", "--steps", "24", "--reps", "1",
-                                     "--chunk", "8", "--variants", "unwatched,aa,handfix,watched,fix",
+                                     "--chunk", "8", "--variants", "unwatched,aa,handfix,watched,fix,wrapped,nowalk",
                                      "--out", str(out)]) == 0
     rows = table_rows(out.read_text())
-    assert set(rows) == {"unwatched", "aa", "handfix", "watched", "fix"}
+    assert set(rows) == {"unwatched", "aa", "handfix", "watched", "fix", "wrapped", "nowalk"}
     assert all(cells[-1] == "yes" for cells in rows.values()), rows  # tokens identical
     retained = {v: int(cells[-2]) for v, cells in rows.items()}
     assert retained["unwatched"] == retained["watched"] > retained["fix"]  # the leak, and the fix cutting it
+    assert retained["wrapped"] == retained["nowalk"] == retained["unwatched"]
     assert "gave the same tokens in every repetition" in out.read_text()
     assert rows["aa"][6].endswith(", 3") and rows["unwatched"][6] == ""  # 24 steps in chunks of 8: 3 pairs
 
