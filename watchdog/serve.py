@@ -41,6 +41,8 @@ import traceback
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
+import mlx.core as mx
+
 from .attach import unwatch_model, watch_model, watched_state
 from .cli import fraction, port_number, positive_int, seconds, split_server_argv, step_count
 from .core import ResourceLimitForecast, Watchdog
@@ -352,13 +354,19 @@ class ServerHooks:
 
         @functools.wraps(original)
         def _generate(generator):
-            while True:
-                try:
-                    return original(generator)
-                except ResourceLimitForecast as exc:
-                    hooks._after_batch_stop(generator, exc)
-                    del exc
-                    # mlx-lm's loop again: the model is loaded already, the next request gets a new batch.
+            try:
+                while True:
+                    try:
+                        return original(generator)
+                    except ResourceLimitForecast as exc:
+                        hooks._after_batch_stop(generator, exc)
+                        del exc
+                        # mlx-lm's loop again: the model is loaded already, the next request gets a new batch.
+            finally:
+                # The streams MLX made for this thread outlive it otherwise, and their destruction
+                # at interpreter exit aborts the process (`terminate called without an active
+                # exception`, exit 134: seen in about 1 of 3 SIGTERMs after a request).
+                _clear_thread_streams()
 
         return _generate
 
@@ -454,6 +462,13 @@ class ServerHooks:
                      ended, STOP_FINISH_REASON, exc)
         for watchdog in self.watchdogs():
             watchdog.reset()  # the stopped batch and its caches are gone
+
+
+def _clear_thread_streams() -> None:
+    try:
+        mx.clear_streams()
+    except Exception as exc:  # an MLX without it, or a stream still in use: exit as before
+        logger.debug("mlx-watchdog serve: mx.clear_streams() failed: %r", exc)
 
 
 def _model_label(model_path: Any) -> str:
