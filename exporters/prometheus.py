@@ -71,8 +71,11 @@ _SPECS = (
     _Spec("mlx_watchdog_pending_graph_nodes", "gauge",
           "Unevaluated (lazy) graph nodes hanging off the watched cache at the last measurement."),
     _Spec("mlx_watchdog_leak_buffers_per_step", "gauge",
-          "Buffers per decode step added by one leaking site; site is the class and attribute "
-          "that holds them, e.g. ArraysCache.left_padding.", ("site",)),
+          "Buffers per decode step added by one leaking site that nothing repairs; site is the "
+          "class and attribute that holds them, e.g. ArraysCache.left_padding.", ("site",)),
+    _Spec("mlx_watchdog_fixed_leak_buffers_per_step", "gauge",
+          "Buffers per decode step a leaking site would add, which the fix cuts (Watchdog(fix=True)): "
+          "the leak is there, the fix repairs it.", ("site",)),
     _Spec("mlx_watchdog_step_rate", "gauge",
           "Observed decode steps per second."),
     _Spec("mlx_watchdog_prefill_graph_nodes", "gauge",
@@ -196,8 +199,8 @@ class WatchdogCollector:
             ("mlx_watchdog_pending_graph_nodes", base, f.pending_graph_nodes),
             ("mlx_watchdog_step_rate", base, f.step_rate),
         ]
-        rows += [("mlx_watchdog_leak_buffers_per_step", base + (leak.site,), leak.buffers_per_step)
-                 for leak in f.leaks]
+        rows += [("mlx_watchdog_fixed_leak_buffers_per_step" if leak.cut else "mlx_watchdog_leak_buffers_per_step",
+                  base + (leak.site,), leak.buffers_per_step) for leak in f.leaks]
         for name, value in (("mlx_watchdog_prefill_graph_nodes", f.prefill_graph_nodes),
                             ("mlx_watchdog_max_safe_prefill_tokens", f.max_safe_prefill_tokens)):
             if value is not None:

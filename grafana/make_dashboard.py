@@ -437,11 +437,16 @@ def build() -> dict:
         timeseries(
             "Leak per site",
             "Buffers per step attributed to each cache attribute (`site`) over time, per process. Use it "
-            "to see when a site started leaking and whether `--fix` stopped it. The alert "
-            "MLXWatchdogLeakSiteGrowing fires when a site stays above 0.5 for 10 minutes.",
-            [target(f"mlx_watchdog_leak_buffers_per_step{{{SEL}}}", legend="{{site}} {{watchdog}} {{instance}} {{rank}}")],
+            "to see when a site started leaking and whether `--fix` stopped it: with the fix on, a site it "
+            "cuts moves to the dashed \"cut by the fix\" series (what it would add unrepaired). The alert "
+            "MLXWatchdogLeakSiteGrowing fires when a site nothing repairs stays above 0.5 for 10 minutes.",
+            [target(f"mlx_watchdog_leak_buffers_per_step{{{SEL}}}", legend="{{site}} {{watchdog}} {{instance}} {{rank}}"),
+             target(f"mlx_watchdog_fixed_leak_buffers_per_step{{{SEL}}}", ref="B",
+                    legend="cut by the fix: {{site}} {{watchdog}} {{instance}} {{rank}}")],
             "suffix:buffers/step",
             decimals=2,
+            overrides=[{"matcher": {"id": "byFrameRefID", "options": "B"},
+                        "properties": [{"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}}]}],
         ),
         w=12,
         h=8,

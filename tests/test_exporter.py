@@ -46,7 +46,8 @@ from support import free_port, http_get, log_tail, prom_query, require_binary, s
 GAUGES = {
     "mlx_watchdog_resident_buffers", "mlx_watchdog_resource_limit_buffers",
     "mlx_watchdog_buffers_per_step", "mlx_watchdog_steps_to_limit", "mlx_watchdog_seconds_to_limit",
-    "mlx_watchdog_pending_graph_nodes", "mlx_watchdog_leak_buffers_per_step", "mlx_watchdog_step_rate",
+    "mlx_watchdog_pending_graph_nodes", "mlx_watchdog_leak_buffers_per_step",
+    "mlx_watchdog_fixed_leak_buffers_per_step", "mlx_watchdog_step_rate",
     "mlx_watchdog_memory_active_bytes", "mlx_watchdog_memory_peak_bytes",
     "mlx_watchdog_memory_cache_bytes", "mlx_watchdog_memory_limit_bytes",
     "mlx_watchdog_process_resident_memory_bytes", "mlx_watchdog_info",
@@ -59,6 +60,7 @@ COUNTERS = {  # sample names; the family names lack "_total"
 }
 EXTRA_LABELS = {
     "mlx_watchdog_leak_buffers_per_step": {"site"},
+    "mlx_watchdog_fixed_leak_buffers_per_step": {"site"},
     "mlx_watchdog_stops_total": {"reason"},
     "mlx_watchdog_info": {"version", "mlx_version", "mlx_lm_version", "device", "fix"},
 }
@@ -96,11 +98,11 @@ def value(families: dict, sample_name: str, **labels) -> float:
 class Decode:
     """A watched BatchGenerator decode that the test steps forward explicitly."""
 
-    def __init__(self, name: str, layers: int, prompts: list, limit: int = LIMIT):
+    def __init__(self, name: str, layers: int, prompts: list, limit: int = LIMIT, fix: bool = False):
         self.model = build_model("qwen3_next", layers=layers)
         # A generous walk budget: measured often, so the rate is known within a few steps even
         # when one early walk is slow on a loaded machine (the default 1% can then wait seconds).
-        self.wd = Watchdog(limit=limit, name=name, overhead_budget=0.5, walk_interval=0)
+        self.wd = Watchdog(limit=limit, name=name, overhead_budget=0.5, walk_interval=0, fix=fix)
         watch_model(self.model, self.wd)
         self.gen = BatchGenerator(self.model, max_tokens=100_000)
         self.gen.insert(prompts)
@@ -132,6 +134,14 @@ def flat():
     decode.close()
 
 
+@pytest.fixture(scope="module")
+def fixed():
+    decode = Decode("exp-fixed", 8, tiny_prompts(2, 6, 512, seed=1), fix=True)  # the leak, fixed
+    decode.advance(60)
+    yield decode
+    decode.close()
+
+
 @pytest.fixture
 def registry():
     reg = CollectorRegistry()
@@ -141,7 +151,7 @@ def registry():
 
 # --------------------------------------------------------------------------- exposition
 
-def test_promtool_check_metrics_has_no_findings(leaky, flat, registry):
+def test_promtool_check_metrics_has_no_findings(leaky, flat, fixed, registry):
     promtool = require_binary("promtool")
     prefill = Watchdog(name="exp-prefill")  # fills the families a decode leaves empty
     prefill.prefill_graph_nodes, prefill.max_safe_prefill_tokens = 149_000, 900
@@ -175,6 +185,7 @@ def test_names_types_help_and_labels(leaky, flat):
     # Both watchdogs, under their own names, in every family of per-watchdog readings.
     for name in ("exp-leaky", "exp-flat"):
         for sample_name in (GAUGES | COUNTERS) - {"mlx_watchdog_leak_buffers_per_step",
+                                                  "mlx_watchdog_fixed_leak_buffers_per_step",
                                                   "mlx_watchdog_prefill_graph_nodes",
                                                   "mlx_watchdog_max_safe_prefill_tokens"}:
             assert samples(families, sample_name, watchdog=name), (sample_name, name)
@@ -222,6 +233,19 @@ def test_values_match_the_forecast_during_a_leaky_decode(leaky, flat, registry):
     assert value(families, "mlx_watchdog_seconds_to_limit", **flat_label) == math.inf
     assert not samples(families, "mlx_watchdog_leak_buffers_per_step", **flat_label)
     assert value(families, "mlx_watchdog_steps_total", **flat_label) == flat.wd.steps
+
+
+def test_a_leak_the_fix_cuts_is_exported_apart(fixed, registry):
+    # With the fix on, the leak is still named (what it would add), but as repaired: the alert on
+    # mlx_watchdog_leak_buffers_per_step is for leaks nothing repairs.
+    families = scrape(registry)
+    label = {"watchdog": "exp-fixed"}
+    assert [(leak.site, leak.cut) for leak in fixed.wd.forecast().leaks] == [(LEAK_SITE, True)]
+    assert value(families, "mlx_watchdog_fixed_leak_buffers_per_step", site=LEAK_SITE, **label) == \
+        pytest.approx(LEAK_PER_STEP, rel=0.1)
+    assert not samples(families, "mlx_watchdog_leak_buffers_per_step", **label)
+    assert value(families, "mlx_watchdog_buffers_per_step", **label) < 0.5
+    assert "(cut by the fix)" in fixed.wd.forecast().describe()
 
 
 def test_memory_readings(leaky, registry):

@@ -191,6 +191,10 @@ def test_leak_counted_without_fix_and_flat_with_fix(start_server, model_dir):
     assert metric(m, "mlx_watchdog_materialized_arrays_total") > 0
     assert metric(m, "mlx_watchdog_reclaimed_buffers_total") > 0
     assert metric(m, "mlx_watchdog_info", fix="true") == 1
+    # The leak is named as one the fix cuts, not as a leak nothing repairs (the alert's metric).
+    assert metric(m, "mlx_watchdog_fixed_leak_buffers_per_step",
+                  site="ArraysCache.left_padding") == pytest.approx(expected, abs=0.5)
+    assert not [k for k in m if k[0] == "mlx_watchdog_leak_buffers_per_step"]
     # Flat: what stays resident after LONG steps is far below what leaked without the fix.
     assert metric(m, "mlx_watchdog_resident_buffers") < leaked_resident - 0.5 * expected * LONG
 

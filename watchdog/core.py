@@ -521,7 +521,9 @@ class Watchdog:
             now = time.monotonic()
             if now - self._last_warn >= WARN_INTERVAL_SECONDS:
                 self._last_warn = now
-                logger.warning("mlx-watchdog: resource limit forecast: %s (fix: Watchdog(fix=True) or `mlx-watchdog serve --fix`)", forecast.describe())
+                remedy = ("the fix is on and does not repair it" if self.fix
+                          else "fix: Watchdog(fix=True) or `mlx-watchdog serve --fix`")
+                logger.warning("mlx-watchdog: resource limit forecast: %s (%s)", forecast.describe(), remedy)
 
     # ----------------------------------------------------------------- helpers
 
@@ -556,7 +558,10 @@ class Watchdog:
                 if site_probed > LEAK_THRESHOLD:
                     growing.add(site)
             if site_rate > LEAK_THRESHOLD:
-                leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers))
+                # Cut: the fix schedules this site's pending arrays (it grows in the probes and
+                # holds pending chains). Growth in evaluated arrays is not the fix's to repair.
+                cut = fixing and site in growing and series.retained > 0
+                leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers, cut=cut))
         leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
         self._leaks = tuple(leaks)
         self._probed_growth = sum(probed) if probed else None

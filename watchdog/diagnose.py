@@ -406,7 +406,8 @@ def _finite(x: float) -> Optional[float]:
 
 def _leaks(forecast) -> list[dict]:
     return [{"site": leak.site, "buffers_per_step": round(leak.buffers_per_step, 4),
-             "buffers": int(leak.buffers), "paths": list(leak.paths)} for leak in forecast.leaks]
+             "buffers": int(leak.buffers), "paths": list(leak.paths), "cut_by_fix": leak.cut}
+            for leak in forecast.leaks]
 
 
 def diagnose_model(model, prompts: list[list[int]], *, paths: Sequence[str], steps: int,

@@ -18,6 +18,9 @@ class Leak:
     paths: tuple[str, ...]  # concrete paths from the root, e.g. "[7].left_padding"
     buffers_per_step: float  # for the whole site
     buffers: int  # buffers held at the site at the last measurement
+    # Fix mode: the fix cuts this site's chains; buffers_per_step is what it would add without
+    # the fix (what the probes saw), not what stays resident.
+    cut: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,8 @@ class Forecast:
         return self.step + self.steps_to_limit
 
     def describe(self) -> str:
-        top = ", ".join(f"{l.site} +{l.buffers_per_step:.3g}/step" for l in self.leaks[:3]) or "none"
+        top = ", ".join(f"{l.site} +{l.buffers_per_step:.3g}/step" + (" (cut by the fix)" if l.cut else "")
+                        for l in self.leaks[:3]) or "none"
         return (
             f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, "
             f"{self.buffers_per_step:+.3g}/step, limit in {_fmt(self.steps_to_limit)} steps "
