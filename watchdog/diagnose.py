@@ -68,6 +68,7 @@ the value may be null (JSON has no infinity: "never" is null).
     buffers_per_step  float        growth of this site per decode step
     buffers           int          buffers held at the site at the last measurement
     paths             [str]        where, from the cache list, e.g. "[0].left_padding"
+    cut_by_fix        bool         the fix cuts this site (fix mode): buffers_per_step is what it would add
 
   fix:
     buffers_per_step  float        growth with the fix
