@@ -100,7 +100,8 @@ _SPECS = (
           "Always 1; the labels say which versions, device and fix mode the watchdog runs with.",
           ("version", "mlx_version", "mlx_lm_version", "device", "fix")),
     _Spec("mlx_watchdog_steps", "counter",
-          "Decode steps the watchdog observed."),
+          "Forward passes the watchdog observed with a cache: decode steps, plus prefill and "
+          "look-ahead forwards."),
     _Spec("mlx_watchdog_materialized_arrays", "counter",
           "Pending cache arrays the fix scheduled for evaluation (Watchdog(fix=True))."),
     _Spec("mlx_watchdog_reclaimed_buffers", "counter",

@@ -130,7 +130,23 @@ def test_demo_stops_at_the_scaled_limit_and_compares_what_was_decoded():
     assert outcome.second.decode_steps == outcome.first.decode_steps
     assert outcome.first.tokens == outcome.second.tokens
     assert outcome.exit_status == 0
-    assert "the estimate reached the limit of 600 buffers" in out.getvalue()
+    text = out.getvalue()
+    assert "the estimate reached the limit of 600 buffers" in text
+    steps = outcome.first.decode_steps
+    assert f"after {steps:,} of 300 steps" in text
+    assert f"pass 2/2: Watchdog(fix=True), {steps:,} steps (not 300)" in text
+
+
+def test_demo_of_a_model_mlx_lm_cannot_batch_names_the_plain_path():
+    args = cli.build_parser(load_serve=False).parse_args(
+        ["demo", "--model-type", "deepseek_v41", "--steps", "30", "--no-metrics"])
+    out = io.StringIO()
+    demo.run_demo(args, Console(file=out, markup=False, soft_wrap=True, width=200))
+    text = out.getvalue()
+    header = text.splitlines()[0]
+    assert "generate_step (plain path, one sequence)" in header and "BatchGenerator" not in header, header
+    assert "has no merge()" in text
+    assert text.count("pass 1/2: watch only") == 1, text
 
 
 def test_demo_console_script_runs_in_a_subprocess():

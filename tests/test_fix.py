@@ -328,6 +328,7 @@ def test_warn_within_logs_once_a_minute_naming_the_top_site(watching, caplog, mo
     assert len(warnings()) == 1
     record = warnings()[0]
     assert record.levelno == logging.WARNING and LEAK_SITE in record.getMessage()
+    assert "(fix: Watchdog(fix=True) or `mlx-watchdog serve --fix`)" in record.getMessage()  # the remedy
     # on_forecast gets a Forecast after each walk.
     assert len(received) == wd.walks > 1
     assert all(isinstance(f, Forecast) for f in received)

@@ -6,7 +6,9 @@
     mlx-watchdog serve --fix -- --model PATH   # mlx_lm.server, watched (see serve.py)
 
 Exit status: 0 fine, 1 a leak was found (diagnose) or the fix did not hold (demo), 2 usage or
-load errors (a bad option, a model that cannot be loaded, a metrics port in use).
+load errors (a bad option, a model that cannot be loaded, demo's metrics port in use). ``serve``
+exits 1 when its metrics endpoint cannot start (a port in use, a bad address or TLS file) and
+otherwise with mlx_lm.server's own status (0 after Ctrl-C or SIGTERM).
 
 ``serve`` is imported only when chosen: ``demo`` and ``diagnose`` must work even where
 serve.py (or mlx-lm's server) cannot be imported.
@@ -29,7 +31,7 @@ PROG = "mlx-watchdog"
 
 
 class UsageError(Exception):
-    """A mistake the user can fix (bad option, missing model, port in use): exit status 2."""
+    """A mistake the user can fix (bad option, missing model, demo's port in use): exit status 2."""
 
 
 # --------------------------------------------------------------------------- argument types

@@ -521,8 +521,12 @@ class Watchdog:
             now = time.monotonic()
             if now - self._last_warn >= WARN_INTERVAL_SECONDS:
                 self._last_warn = now
-                remedy = ("the fix is on and does not repair it" if self.fix
-                          else "fix: Watchdog(fix=True) or `mlx-watchdog serve --fix`")
+                if not self.fix:
+                    remedy = "fix: Watchdog(fix=True) or `mlx-watchdog serve --fix`"
+                elif not self._fixed_once:
+                    remedy = "the fix is on and has not run yet"
+                else:
+                    remedy = "the fix is on; this growth is not one it cuts"
                 logger.warning("mlx-watchdog: resource limit forecast: %s (%s)", forecast.describe(), remedy)
 
     # ----------------------------------------------------------------- helpers

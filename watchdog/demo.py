@@ -10,8 +10,11 @@ Pass 1 watches the decode (``watch_model``) and shows the step, tokens/s, the re
 estimate against the limit, the growth per step, the forecast crash and the top leak sites. The
 limit is scaled down (default 10,000 buffers) so the crash is seconds away, not an hour; where the
 estimate reaches it, the watchdog stops the pass cleanly (``stop_within=0``), where a device with
-that limit would have crashed. Pass 2 decodes the same prompts with ``Watchdog(fix=True)``: the
-growth is gone and the tokens are the same. ``/metrics`` is served on loopback meanwhile.
+that limit would have crashed. Pass 2 decodes the same prompts with ``Watchdog(fix=True)``, as
+many steps as pass 1 decoded (fewer than ``--steps`` after such a stop, so that the tokens can be
+compared): the growth is gone and the tokens are the same. A model whose cache mlx-lm cannot
+batch (``deepseek_v41``) runs the plain path (``generate_step``, one sequence) instead.
+``/metrics`` is served on loopback meanwhile.
 
 Exit status: 0 the fix removed the growth with identical tokens, 1 it did not, 2 usage errors.
 """
@@ -141,40 +144,76 @@ def _passes(args: argparse.Namespace, model, console, real_limit: int):
     from .diagnose import decode_pass
 
     prompts = tiny.tiny_prompts(args.batch, PROMPT_TOKENS, seed=args.seed)
+    unbatchable = _unbatchable_cache(model)
+    path = "plain" if unbatchable else "batched"
+    if unbatchable:
+        prompts = prompts[:1]
     linear = sum(bool(getattr(layer, "is_linear", False)) for layer in getattr(model, "layers", []))
     kind = f", {linear} linear-attention layers" if linear else ""
     console.print(f"mlx-watchdog demo: tiny random-weight {args.model_type} ({args.layers} layers{kind}), "
-                  f"{args.batch} equal-length prompts of {PROMPT_TOKENS} tokens, mlx-lm BatchGenerator")
+                  + _path_words(path, len(prompts)))
+    if unbatchable:
+        console.print(f"note: mlx-lm's BatchGenerator cannot batch {args.model_type} (its {unbatchable} "
+                      "has no merge()); the demo uses the plain path")
     console.print(f"limit: {args.limit:,} buffers, scaled down from the real {real_limit:,} so the "
                   f"crash is near (--limit)")
 
-    path = "batched"
-    leaky = Watchdog(args.limit, name=f"demo-{args.model_type}", stop_within=0,
-                     overhead_budget=OVERHEAD_BUDGET, walk_interval=0)
-    view = _View(console, "pass 1/2: watch only", args.steps, args.batch)
+    def watched() -> Watchdog:
+        return Watchdog(args.limit, name=f"demo-{args.model_type}", stop_within=0,
+                        overhead_budget=OVERHEAD_BUDGET, walk_interval=0)
+
+    leaky = watched()
+    view = _View(console, "pass 1/2: watch only", args.steps, len(prompts))
     try:
         first = view.run(lambda cb: decode_pass(model, path, prompts, args.steps, leaky, cb))
     except Exception as exc:
-        # deepseek_v41's cache cannot be batched in mlx-lm 0.32.2: show the plain path instead.
-        if "batch" not in str(exc).lower():
+        # A cache mlx-lm cannot batch that the check above did not see: fall back to the plain path.
+        if path != "batched" or "batch" not in str(exc).lower():
             raise
-        console.print(f"note: mlx-lm cannot batch {args.model_type} ({exc}); using the plain path "
-                      "(generate_step, one sequence)")
         path, prompts = "plain", prompts[:1]
-        leaky = Watchdog(args.limit, name=f"demo-{args.model_type}", stop_within=0,
-                         overhead_budget=OVERHEAD_BUDGET, walk_interval=0)
-        view = _View(console, "pass 1/2: watch only", args.steps, 1)
+        console.print(f"note: mlx-lm cannot batch {args.model_type} ({exc}); pass 1 again on the "
+                      "plain path (generate_step, one sequence)")
+        leaky = watched()
+        view = _View(console, "pass 1/2: watch only (plain path)", args.steps, 1)
         first = view.run(lambda cb: decode_pass(model, path, prompts, args.steps, leaky, cb))
+    steps_done = first.decode_steps
     if first.stopped is not None:
         console.print(f"step {first.forecast.step - first.step_offset:,}: the estimate reached the limit of "
                       f"{args.limit:,} buffers. A device with this limit would crash here; the "
-                      "watchdog stopped the decode cleanly (Watchdog(stop_within=0)).")
-    steps_done = first.decode_steps
+                      f"watchdog stopped the decode cleanly (Watchdog(stop_within=0)) after "
+                      f"{steps_done:,} of {args.steps:,} steps.")
+    title = "pass 2/2: Watchdog(fix=True)"
+    if steps_done < args.steps:
+        title += (f", {steps_done:,} steps (not {args.steps:,}): as many as pass 1 decoded, "
+                  "so that the tokens can be compared")
     fixed = Watchdog(args.limit, name=f"demo-{args.model_type}-fixed", fix=True, fix_every=1,
                      overhead_budget=OVERHEAD_BUDGET, walk_interval=0)
-    view = _View(console, "pass 2/2: Watchdog(fix=True)", steps_done, len(prompts))
+    view = _View(console, title, steps_done, len(prompts))
     second = view.run(lambda cb: decode_pass(model, path, prompts, steps_done, fixed, cb))
     return first, second
+
+
+def _path_words(path: str, prompts: int) -> str:
+    if path == "batched":
+        what = f"{prompts} equal-length prompts" if prompts > 1 else "1 prompt"
+        return f"{what} of {PROMPT_TOKENS} tokens, mlx-lm BatchGenerator"
+    return f"1 prompt of {PROMPT_TOKENS} tokens, mlx-lm generate_step (plain path, one sequence)"
+
+
+def _unbatchable_cache(model) -> Optional[str]:
+    """The class name of a cache of ``model`` that mlx-lm's ``BatchGenerator`` cannot batch
+    (it merges the prompt caches with their ``merge`` method: mlx-lm 0.32's ``_merge_caches``),
+    else None. ``deepseek_v41``'s ``LayerCache`` has none in mlx-lm 0.32.2."""
+    try:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(model)
+    except Exception:  # let the batched path itself say what is wrong
+        return None
+    for layer_cache in cache:
+        if not hasattr(layer_cache, "merge"):
+            return type(layer_cache).__name__
+    return None
 
 
 def _verdict(console, first, second, real_limit: int) -> int:

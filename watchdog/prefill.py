@@ -11,7 +11,8 @@ input buffers per token (least squares over the walked lengths) and records on t
 * ``max_safe_prefill_tokens``: the largest chunk whose predicted buffers stay under
   ``safety * limit - resident``.
 
-What is compared with the limit (an estimate, see README-prefill.md): the buffers one chunk's
+What is compared with the limit (an estimate; README.md, section "Prefill guard: the largest
+prefill chunk that stays under the limit", says how sure it is): the buffers one chunk's
 evaluation could hold at once = its pending graph nodes (each primitive output may allocate a
 buffer) + the distinct evaluated arrays it reads. MLX frees intermediates while it evaluates,
 so this is an upper bound; the evaluated inputs include the parameters and cache arrays that
@@ -460,7 +461,7 @@ def installed_guard(model: Any) -> Optional[PrefillGuard]:
     return None
 
 
-# --------------------------------------------------------------------------- diagnose
+# --------------------------------------------------------------------------- a one-off measurement
 
 def safe_prefill_report(model: Any, limit: Optional[int] = None, lengths: Sequence[int] = (32, 64, 128), *,
                         safety: float = DEFAULT_SAFETY, resident_buffers: Optional[int] = None) -> dict:

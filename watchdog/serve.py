@@ -83,8 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the watchdog options of ``serve`` to ``parser`` (the server's own go after ``--``)."""
     group = parser.add_argument_group("watchdog")
     group.add_argument("--fix", action=argparse.BooleanOptionalAction, default=False,
-                       help="materialize the pending cache arrays each step (cuts the lazy chains "
-                            "that leak buffers); default: --no-fix, only watch")
+                       help="materialize the pending cache arrays every --fix-every decode steps "
+                            "(16 unless set), cutting the lazy chains that leak buffers; default: "
+                            "--no-fix, only watch")
     group.add_argument("--fix-every", type=positive_int, default=16, metavar="N",
                        help="run the fix every N decode steps (default: 16)")
     group.add_argument("--limit", type=positive_int, default=None, metavar="N",
