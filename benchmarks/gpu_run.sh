@@ -12,8 +12,9 @@
 #               repetitions in session 2)
 #   qwen3_next  the leaking hybrid through BatchGenerator (48 layers, 36 linear-attention layers,
 #               hidden 2048, 32 experts, bf16), 4 equal-length prompts: every variant, 300 steps x 3
-#   long        the leaking model over 10,000 tokens (2,500 steps x batch 4): unwatched, watched+fix,
-#               2 repetitions (~470 s on an H200: run it alone, with the 600 s limit)
+#   long        the leaking model over 10,000 tokens (2,500 steps x batch 4): unwatched, the A/A control
+#               and watched+fix, one repetition (~320 s on an H200; the A/A control moved -6.8% in
+#               session 3, so a run without it says little). Run it twice for two repetitions.
 #   steady      leak-free llama in long repetitions (2,500 steps, ~20 s a variant): the start-up walks
 #               and their 0.05 s credit weigh 0.25%, not 0.7% as in 800-step repetitions; with the
 #               diagnostic variants that take the watched cost apart (wrapped: the model wrapper only;
@@ -56,7 +57,7 @@ case "$PART" in
   llama) bench "${LLAMA[@]}" --steps 800 --reps 4 --chunk 50 --variants unwatched,aa,handfix,every256,watched,fix ;;
   qwen3_next) bench "${QWEN[@]}" --steps 300 --reps 3 --chunk 100 --variants "$ALL" ;;
   steady) bench "${LLAMA[@]}" --steps 2500 --reps 2 --chunk 100 --variants unwatched,aa,handfix,wrapped,nowalk,watched,fix ;;
-  long) bench "${QWEN[@]}" --steps 2500 --reps 2 --chunk 250 --variants unwatched,fix ;;
+  long) bench "${QWEN[@]}" --steps 2500 --reps 1 --chunk 125 --variants unwatched,aa,fix ;;
   all)
     bench "${LLAMA[@]}" --steps 600 --reps 5 --chunk 100 --variants "$ALL"
     bench "${QWEN[@]}" --steps 300 --reps 3 --chunk 100 --variants "$ALL"
