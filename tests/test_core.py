@@ -366,3 +366,22 @@ def test_a_new_decode_starts_a_new_series_and_a_rewrapped_one_does_not():
         assert len(wd._samples) == 1
     wd.observe(caches[:4])  # one cache fewer (a finished sequence): new
     assert len(wd._samples) == 1
+
+
+def test_a_prompt_prefilled_in_chunks_beside_the_decode_is_not_counted_as_its_steps():
+    # BatchGenerator fills a new prompt's caches chunk by chunk (prefill_step_size) between decode
+    # steps of the running batch. Before: the second chunk passed for a step of the decode, and its
+    # caches (growing chains here) were walked as the decode's.
+    decode = [ScalarCache() for _ in range(2)]
+    prompt = [ScalarCache() for _ in range(3)]
+    wd = Watchdog(limit=10**6, export=False, overhead_budget=1.0, walk_interval=0)
+    for _ in range(6):
+        wd.observe(decode)
+    walks = wd.walks
+    for _ in range(4):  # four chunks of one prompt, its chains growing
+        wd.observe(prompt, prefill=True)
+        for c in prompt:
+            c.step()
+    assert (wd.steps, wd.walks) == (6, walks)
+    wd.observe(decode)
+    assert wd.steps == 7 and wd.forecast().buffers_per_step == 0.0 and not wd.forecast().leaks

@@ -307,16 +307,16 @@ class Watchdog:
         ids = _identity(roots)
         if ids != self._root_ids:  # other roots than last step's (or a list of arrays): the full key
             key = root_key(roots)
+            if key != self._root_key:
+                if prefill and self._root_key is not None:
+                    # A prompt filling other caches: the decode being followed goes on. Its ids
+                    # are not kept, or its next chunk would pass for a step of that decode.
+                    return
+                if self._root_key is not None:
+                    self.reset()
+                self._root_key = key
+                self._paths = self._pending_paths = None
             self._root_ids = ids
-        else:
-            key = self._root_key
-        if key != self._root_key:
-            if prefill and self._root_key is not None:
-                return  # a prompt filling other caches: the decode being followed goes on
-            if self._root_key is not None:
-                self.reset()
-            self._root_key = key
-            self._paths = self._pending_paths = None
         with self._lock:
             if self._last_observe is not None and start - self._last_observe > 0:
                 # Decode time: the gaps between steps, each capped, so idle time (a server between
