@@ -300,8 +300,9 @@ def build() -> dict:
         "title": "Top leak sites (buffers per step)",
         "description": "The cache attributes (for example `ArraysCache.left_padding`) that the watchdog blames "
         "for the growth, ranked by how many Metal buffers each one leaves alive per decode step (top 10 "
-        "over the selected processes, current value). Empty means nothing is leaking. These are the "
-        "attributes `mlx-watchdog serve --fix` / `Watchdog(fix=True)` repairs.",
+        "over the selected processes, current value). Empty means nothing is leaking unrepaired. Without "
+        "the fix these are the attributes `mlx-watchdog serve --fix` / `Watchdog(fix=True)` repairs; with "
+        "it, a site it cuts is left out here (it shows dashed in 'Leak per site').",
         "datasource": DS,
         "targets": [
             target(
