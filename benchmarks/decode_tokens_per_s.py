@@ -12,8 +12,9 @@ Watched variants also report the watchdog's self-timed overhead (``wd.overhead_s
 against their decode time: that is NOT the real cost (MLX computes on its own thread while
 Python runs), the tokens/s ratio is. ``GC / decode time``: Python's garbage collector, wherever
 it ran (a collection the watchdog's allocations start may run in the decode's code, untimed by it).
-Diagnostic variants ``wrapped`` and ``nowalk`` take the watched cost apart. ``retained at end`` is how many buffers the pending
-graphs of the cache still keep alive at the end (the leak; walked after the timed chunks).
+Diagnostic variants ``wrapped`` and ``nowalk`` take the watched cost apart. ``retained at end``
+is how many buffers the pending graphs of the cache still keep alive at the end (the leak; walked
+after the timed chunks).
 
     # leak-free dense llama through generate_step, and the leaking batched qwen3_next:
     python benchmarks/decode_tokens_per_s.py --model llama --layers 4 --hidden 256 --steps 400 --reps 7

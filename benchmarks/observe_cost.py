@@ -18,10 +18,9 @@ work between two calls leaves the CPU caches cold, so this is several times the 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import timeit
-
-import statistics
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step

@@ -108,13 +108,6 @@ class _SiteSeries:
             return 0.0
         return statistics.median(self.growth)
 
-    def rate(self, fixing: bool) -> float:
-        probed = self.probed_rate() if fixing else None
-        if probed is not None:
-            # The fix cuts the chains, so the series stays flat; the probes saw the growth it cuts.
-            return probed
-        return fc.robust_slope(self.total)
-
 
 class Watchdog:
     """Counts the buffers each decode step leaves resident, names where they come from,
@@ -166,9 +159,7 @@ class Watchdog:
                 raise ValueError(f"{label} must be a number of steps >= 0 or None, got {value!r}")
         if not isinstance(overhead_budget, (int, float)) or not 0 < overhead_budget <= 1:
             raise ValueError(f"overhead_budget must be a fraction in (0, 1], got {overhead_budget!r}")
-        if walk_interval is not None and (isinstance(walk_interval, bool) or not isinstance(walk_interval, (int, float))
-                                          or not 0 <= walk_interval < math.inf):
-            raise ValueError(f"walk_interval must be a number of seconds >= 0 or None, got {walk_interval!r}")
+        walk_interval = checked_walk_interval(walk_interval)
         if on_forecast is not None and not callable(on_forecast):
             raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
         self.name = name or "default"
@@ -179,7 +170,7 @@ class Watchdog:
         self.stop_within = stop_within
         self.on_forecast = on_forecast
         self.overhead_budget = float(overhead_budget)
-        self.walk_interval = None if walk_interval is None else float(walk_interval)
+        self.walk_interval = walk_interval
         self.export = bool(export)
         self.max_objects = max_objects
         self.max_depth = max_depth
@@ -555,16 +546,21 @@ class Watchdog:
         fixing = self.fix and self._fixed_once
         leaks, probed, growing = [], [], set()
         for site, series in self._sites.items():
-            site_rate = series.rate(fixing)
             site_probed = series.probed_rate()
+            grows = site_probed is not None and site_probed > LEAK_THRESHOLD
             if site_probed is not None:
                 probed.append(site_probed)
-                if site_probed > LEAK_THRESHOLD:
+                if grows:
                     growing.add(site)
+            if fixing and site_probed is not None:
+                # The fix cuts the chains, so the series stays flat; the probes saw the growth it cuts.
+                site_rate = site_probed
+            else:
+                site_rate = fc.robust_slope(series.total)
             if site_rate > LEAK_THRESHOLD:
                 # Cut: the fix schedules this site's pending arrays (it grows in the probes and
                 # holds pending chains). Growth in evaluated arrays is not the fix's to repair.
-                cut = fixing and site in growing and series.retained > 0
+                cut = fixing and grows and series.retained > 0
                 leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers, cut=cut))
         leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
         self._leaks = tuple(leaks)
@@ -623,6 +619,16 @@ def _identity(roots: Any) -> tuple:
             return (id(roots), 0)
         return (id(roots), n, id(roots[0]), id(roots[n // 2]), id(roots[-1]))
     return (id(roots),)
+
+
+def checked_walk_interval(value: Any, label: str = "walk_interval") -> Optional[float]:
+    """``walk_interval`` as the watchdog keeps it: None (auto) or finite seconds >= 0 as a float.
+    ``label`` names it in the error (serve passes its flag, ``--walk-interval``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{label} must be a finite number of seconds >= 0 or None, got {value!r}")
+    return float(value)
 
 
 def _check_positive_int(label: str, value: Any) -> None:
