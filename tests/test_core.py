@@ -385,3 +385,26 @@ def test_a_prompt_prefilled_in_chunks_beside_the_decode_is_not_counted_as_its_st
     assert (wd.steps, wd.walks) == (6, walks)
     wd.observe(decode)
     assert wd.steps == 7 and wd.forecast().buffers_per_step == 0.0 and not wd.forecast().leaks
+
+
+def test_new_caches_that_reuse_the_ids_of_freed_ones_are_a_new_decode():
+    # CPython hands a freed object's id to the next object of its size: the next request's caches,
+    # built right after the last request's were freed, can carry the very same ids. Seen in CI: the
+    # next prompt passed for a step of the finished decode.
+    wd = Watchdog(limit=10**6, export=False, overhead_budget=1.0, walk_interval=0)
+    decode = [ScalarCache() for _ in range(3)]
+    for _ in range(6):
+        wd.observe(decode)
+        for c in decode:
+            c.step()
+    assert wd.steps == 6 and wd.forecast().buffers_per_step == pytest.approx(3.0)
+    old_ids = [id(c) for c in decode]
+    del decode, c
+    candidates = [ScalarCache() for _ in range(200)]  # kept alive, so each takes a fresh slot
+    by_id = {id(c): c for c in candidates}
+    assert all(i in by_id for i in old_ids), "the allocator did not reuse the freed ids"
+    reused = [by_id[i] for i in old_ids]
+    wd.observe(reused, prefill=True)  # the next request's prompt: no step of the finished decode
+    assert wd.steps == 6
+    wd.observe(reused)  # its first decode step: a new decode
+    assert len(wd._samples) == 1 and wd.forecast().buffers_per_step == 0.0

@@ -200,6 +200,7 @@ class Watchdog:
         self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
         self._root_key: Optional[tuple] = None
         self._root_ids: Optional[tuple] = None  # identity of the last roots: skips root_key on the same caches
+        self._root_refs: tuple = ()  # weak references behind those ids: a dead one means the ids were reused
         self._paths: Optional[list[tuple]] = None
         self._pending_paths: Optional[list[tuple]] = None
         self._fixes = 0
@@ -296,9 +297,12 @@ class Watchdog:
 
     def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float) -> None:
         ids = _identity(roots)
-        if ids != self._root_ids:  # other roots than last step's (or a list of arrays): the full key
+        followed_alive = _alive(self._root_refs)
+        if ids != self._root_ids or not followed_alive:  # other roots (or a list of arrays): the full key
             key = root_key(roots)
-            if key != self._root_key:
+            # Equal ids are the same caches only while those caches live: CPython hands a freed
+            # cache's id to the next one, and the next request's caches are built just then.
+            if key != self._root_key or not followed_alive:
                 if prefill and self._root_key is not None:
                     # A prompt filling other caches: the decode being followed goes on. Its ids
                     # are not kept, or its next chunk would pass for a step of that decode.
@@ -308,6 +312,7 @@ class Watchdog:
                 self._root_key = key
                 self._paths = self._pending_paths = None
             self._root_ids = ids
+            self._root_refs = _weak_items(roots)
         with self._lock:
             if self._last_observe is not None and start - self._last_observe > 0:
                 # Decode time: the gaps between steps, each capped, so idle time (a server between
@@ -619,6 +624,27 @@ def _identity(roots: Any) -> tuple:
             return (id(roots), 0)
         return (id(roots), n, id(roots[0]), id(roots[n // 2]), id(roots[-1]))
     return (id(roots),)
+
+
+def _weak_items(roots: Any) -> tuple:
+    """Weak references to the objects whose ids ``_identity`` and ``root_key`` compare (arrays
+    are left out: they are rebound every step), for those that take one."""
+    if isinstance(roots, (list, tuple)):
+        items = (roots[0], roots[len(roots) // 2], roots[-1]) if roots else ()
+    else:
+        items = (roots,)
+    refs = []
+    for item in items:
+        if not isinstance(item, mx.array):
+            try:
+                refs.append(weakref.ref(item))
+            except TypeError:  # a dict, a list, a class with __slots__ and no __weakref__
+                pass
+    return tuple(refs)
+
+
+def _alive(refs: tuple) -> bool:
+    return all(ref() is not None for ref in refs)
 
 
 def checked_walk_interval(value: Any, label: str = "walk_interval") -> Optional[float]:
