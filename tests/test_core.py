@@ -182,9 +182,17 @@ def test_default_limit_is_the_device_limit_or_499000():
 
 
 @pytest.mark.parametrize("option", ["warn_within", "stop_within"])
-def test_bad_thresholds(option):
+@pytest.mark.parametrize("bad", [-1, math.nan, math.inf, True, "10"])
+def test_bad_thresholds(option, bad):
+    # NaN compares false with everything: a threshold that silently never fires.
     with pytest.raises(ValueError, match=option):
-        Watchdog(**{option: -1})
+        Watchdog(**{option: bad})
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, math.nan, True, "0.01"])
+def test_bad_overhead_budget(bad):
+    with pytest.raises(ValueError, match="overhead_budget"):
+        Watchdog(overhead_budget=bad)
 
 
 def test_roots_without_arrays_warn_once_and_do_not_crash(caplog):

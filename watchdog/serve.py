@@ -32,7 +32,6 @@ import gc
 import importlib
 import inspect
 import logging
-import math
 import os
 import signal
 import sys
@@ -45,7 +44,8 @@ import mlx.core as mx
 
 from .attach import unwatch_model, watch_model, watched_state
 from .cli import fraction, port_number, positive_int, seconds, split_server_argv, step_count
-from .core import ResourceLimitForecast, Watchdog, checked_walk_interval
+from .core import (ResourceLimitForecast, Watchdog, checked_fraction, checked_positive_int, checked_steps,
+                   checked_walk_interval)
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -53,8 +53,8 @@ DEFAULT_METRICS_PORT = 9464
 DEFAULT_METRICS_ADDR = "127.0.0.1"
 # The finish_reason of a completion the watchdog cut short (OpenAI clients pass unknown values on).
 STOP_FINISH_REASON = "resource_limit"
-DEFAULT_OVERHEAD_BUDGET = inspect.signature(Watchdog).parameters["overhead_budget"].default
-DEFAULT_WALK_INTERVAL = inspect.signature(Watchdog).parameters["walk_interval"].default
+# The flags' defaults are the Watchdog's own.
+DEFAULTS = {name: p.default for name, p in inspect.signature(Watchdog).parameters.items()}
 SERVER_PROG = "mlx_lm.server"
 
 # Where mlx_lm.server is hooked: (class name, method name).
@@ -84,10 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("watchdog")
     group.add_argument("--fix", action=argparse.BooleanOptionalAction, default=False,
                        help="materialize the pending cache arrays every --fix-every decode steps "
-                            "(16 unless set), cutting the lazy chains that leak buffers; default: "
-                            "--no-fix, only watch")
-    group.add_argument("--fix-every", type=positive_int, default=16, metavar="N",
-                       help="run the fix every N decode steps (default: 16)")
+                            f"({DEFAULTS['fix_every']} unless set), cutting the lazy chains that leak "
+                            "buffers; default: --no-fix, only watch")
+    group.add_argument("--fix-every", type=positive_int, default=DEFAULTS["fix_every"], metavar="N",
+                       help="run the fix every N decode steps (default: %(default)s)")
     group.add_argument("--limit", type=positive_int, default=None, metavar="N",
                        help="buffer limit to forecast against (default: the device's Metal "
                             "resource limit, else 499000)")
@@ -96,11 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--stop-within", type=step_count, default=None, metavar="STEPS",
                        help="end the running requests (finish_reason \"resource_limit\") when the "
                             "limit is forecast within STEPS decode steps; the server goes on")
-    group.add_argument("--overhead-budget", type=fraction, default=DEFAULT_OVERHEAD_BUDGET,
+    group.add_argument("--overhead-budget", type=fraction, default=DEFAULTS["overhead_budget"],
                        metavar="FRACTION",
                        help="share of the decode's wall time the watchdog may spend measuring "
                             "(default: %(default)s); raise it on a busy machine to measure more often")
-    group.add_argument("--walk-interval", type=seconds, default=DEFAULT_WALK_INTERVAL, metavar="SECONDS",
+    group.add_argument("--walk-interval", type=seconds, default=DEFAULTS["walk_interval"], metavar="SECONDS",
                        help="seconds of decode between two graph walks once a decode's first walks "
                             "are done (default: 0.5, or longer where walks are dear, so that they "
                             "take 0.1%% of decode time; 0: as often as the budget allows)")
@@ -147,21 +147,9 @@ def watchdog_options(args: argparse.Namespace) -> dict:
         return getattr(args, name, default)
 
     limit = get("limit")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
-        raise ValueError(f"--limit must be a positive integer number of buffers, got {limit!r}")
-    fix_every = get("fix_every", 16)
-    if isinstance(fix_every, bool) or not isinstance(fix_every, int) or fix_every <= 0:
-        raise ValueError(f"--fix-every must be a positive integer, got {fix_every!r}")
-    for option in ("warn_within", "stop_within"):
-        value = get(option)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not value >= 0 or math.isinf(value)):
-            raise ValueError(f"--{option.replace('_', '-')} must be a finite number of steps >= 0, "
-                             f"got {value!r}")
-    budget = get("overhead_budget", DEFAULT_OVERHEAD_BUDGET)
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
-        raise ValueError(f"--overhead-budget must be a fraction in (0, 1], got {budget!r}")
-    interval = checked_walk_interval(get("walk_interval", DEFAULT_WALK_INTERVAL), "--walk-interval")
+    if limit is not None:
+        checked_positive_int(limit, "--limit")
+    interval = checked_walk_interval(get("walk_interval", DEFAULTS["walk_interval"]), "--walk-interval")
     if not get("no_metrics", False):
         port = get("metrics_port", DEFAULT_METRICS_PORT)
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -172,10 +160,11 @@ def watchdog_options(args: argparse.Namespace) -> dict:
     return {
         "limit": limit,
         "fix": bool(get("fix", False)),
-        "fix_every": fix_every,
-        "warn_within": get("warn_within"),
-        "stop_within": get("stop_within"),
-        "overhead_budget": float(budget),
+        "fix_every": checked_positive_int(get("fix_every", DEFAULTS["fix_every"]), "--fix-every"),
+        "warn_within": checked_steps(get("warn_within"), "--warn-within"),
+        "stop_within": checked_steps(get("stop_within"), "--stop-within"),
+        "overhead_budget": checked_fraction(get("overhead_budget", DEFAULTS["overhead_budget"]),
+                                            "--overhead-budget"),
         "walk_interval": interval,
     }
 
