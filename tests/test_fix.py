@@ -406,6 +406,34 @@ class GrowingList:
         mx.eval(self.blocks[-1])
 
 
+class GrowingListWithChain:
+    """One site, two leaks: a lazy chain the fix cuts (``blocks[0]`` rebound to ``x + 1``) and one
+    more evaluated block each step, which no fix can cut."""
+
+    def __init__(self):
+        self.blocks = [mx.array(0)]
+        mx.eval(self.blocks)
+
+    def step(self):
+        self.blocks[0] = self.blocks[0] + 1
+        self.blocks.append(mx.array([len(self.blocks)]))
+        mx.eval(self.blocks[-1])
+
+
+def test_a_site_the_fix_only_partly_repairs_is_reported_as_two_leaks():
+    wd = Watchdog(10**6, fix=True, fix_every=1, export=False, overhead_budget=1.0, walk_interval=0)
+    cache = GrowingListWithChain()
+    for _ in range(120):
+        wd.observe(cache)
+        cache.step()
+    leaks = {leak.cut: leak for leak in wd.forecast().leaks}
+    assert len(wd.forecast().leaks) == 2 and {leak.site for leak in leaks.values()} == {"GrowingListWithChain.blocks"}
+    assert leaks[True].buffers_per_step == pytest.approx(1.0, abs=0.1)  # the chain, cut
+    assert leaks[False].buffers_per_step == pytest.approx(1.0, abs=0.1)  # the blocks, still growing
+    assert wd.forecast().buffers_per_step == pytest.approx(1.0, abs=0.1)
+    assert "(cut by the fix)" in wd.forecast().describe()
+
+
 def test_stop_within_with_fix_still_stops_when_materializing_does_not_help():
     wd = Watchdog(300, stop_within=50, fix=True, export=False)
     cache = GrowingList()

@@ -91,6 +91,10 @@ class _SiteSeries:
 
     def __init__(self) -> None:
         self.total = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, held + retained)
+        # (step, arrays at the site, evaluated or not): more buffers held in evaluated arrays can
+        # only come from more arrays, while a lazy chain grows behind a fixed number of them. So
+        # its slope is the part of a site's growth the fix cannot cut.
+        self.arrays = collections.deque(maxlen=SAMPLE_WINDOW)
         self.growth = collections.deque(maxlen=16)  # buffers/step seen by fix-mode probes (signed)
         self.paths: tuple[str, ...] = ()
         self.buffers = 0
@@ -151,14 +155,12 @@ class Watchdog:
         max_depth: int = MAX_DEPTH,
     ):
         self.limit = resolve_limit(limit)
-        _check_positive_int("fix_every", fix_every)
-        _check_positive_int("max_objects", max_objects)
-        _check_positive_int("max_depth", max_depth)
-        for label, value in (("warn_within", warn_within), ("stop_within", stop_within)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-                raise ValueError(f"{label} must be a number of steps >= 0 or None, got {value!r}")
-        if not isinstance(overhead_budget, (int, float)) or not 0 < overhead_budget <= 1:
-            raise ValueError(f"overhead_budget must be a fraction in (0, 1], got {overhead_budget!r}")
+        checked_positive_int(fix_every, "fix_every")
+        checked_positive_int(max_objects, "max_objects")
+        checked_positive_int(max_depth, "max_depth")
+        checked_steps(warn_within, "warn_within")
+        checked_steps(stop_within, "stop_within")
+        overhead_budget = checked_fraction(overhead_budget, "overhead_budget")
         walk_interval = checked_walk_interval(walk_interval)
         if on_forecast is not None and not callable(on_forecast):
             raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
@@ -169,7 +171,7 @@ class Watchdog:
         self.warn_within = warn_within
         self.stop_within = stop_within
         self.on_forecast = on_forecast
-        self.overhead_budget = float(overhead_budget)
+        self.overhead_budget = overhead_budget
         self.walk_interval = walk_interval
         self.export = bool(export)
         self.max_objects = max_objects
@@ -376,7 +378,8 @@ class Watchdog:
 
         sites: dict[str, list] = {}
         for f, done, retained in zip(result.found, reading.evaluated_by_array, reading.retained_by_array):
-            entry = sites.setdefault(f.site, [0, 0, []])
+            entry = sites.setdefault(f.site, [0, 0, [], 0])
+            entry[3] += 1
             if done:
                 entry[0] += 1
             else:
@@ -390,8 +393,9 @@ class Watchdog:
         else:
             resident = self._parameter_buffers + cache_buffers + reading.retained_buffers
         with self._lock:
-            for site, (held, retained, paths) in sites.items():
+            for site, (held, retained, paths, arrays) in sites.items():
                 series = self._sites.get(site) or self._sites.setdefault(site, _SiteSeries())
+                series.arrays.append((step, arrays))
                 if probe_start is not None:
                     start_step, start_buffers, _ = probe_start
                     before = start_buffers.get(site, 0)
@@ -562,11 +566,15 @@ class Watchdog:
                 site_rate = site_probed
             else:
                 site_rate = fc.robust_slope(series.total)
-            if site_rate > LEAK_THRESHOLD:
-                # Cut: the fix schedules this site's pending arrays (it grows in the probes and
-                # holds pending chains). Growth in evaluated arrays is not the fix's to repair.
-                cut = fixing and grows and series.retained > 0
-                leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers, cut=cut))
+            if fixing and grows and series.retained > 0:
+                # The fix schedules this site's pending arrays: it cuts their chains, not the
+                # growth in the number of arrays (that part stays a leak).
+                uncut = min(site_rate, max(0.0, fc.robust_slope(series.arrays)))
+                for rate, cut in ((site_rate - uncut, True), (uncut, False)):
+                    if rate > LEAK_THRESHOLD:
+                        leaks.append(fc.Leak(site, series.paths, rate, series.buffers, cut=cut))
+            elif site_rate > LEAK_THRESHOLD:
+                leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers))
         leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
         self._leaks = tuple(leaks)
         self._probed_growth = sum(probed) if probed else None
@@ -647,16 +655,36 @@ def _alive(refs: tuple) -> bool:
     return all(ref() is not None for ref in refs)
 
 
+# The option checks, shared with serve, whose errors name its flags (``label``).
+
 def checked_walk_interval(value: Any, label: str = "walk_interval") -> Optional[float]:
-    """``walk_interval`` as the watchdog keeps it: None (auto) or finite seconds >= 0 as a float.
-    ``label`` names it in the error (serve passes its flag, ``--walk-interval``)."""
+    """``walk_interval`` as the watchdog keeps it: None (auto) or finite seconds >= 0 as a float."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+    if _not_a_number(value) or not 0 <= value < math.inf:
         raise ValueError(f"{label} must be a finite number of seconds >= 0 or None, got {value!r}")
     return float(value)
 
 
-def _check_positive_int(label: str, value: Any) -> None:
+def checked_steps(value: Any, label: str) -> Optional[float]:
+    """A threshold in steps (``warn_within``, ``stop_within``): None or finite >= 0 (NaN would
+    never compare true: a threshold that silently never fires)."""
+    if value is not None and (_not_a_number(value) or not 0 <= value < math.inf):
+        raise ValueError(f"{label} must be a finite number of steps >= 0 or None, got {value!r}")
+    return value
+
+
+def checked_fraction(value: Any, label: str) -> float:
+    if _not_a_number(value) or not 0 < value <= 1:
+        raise ValueError(f"{label} must be a fraction in (0, 1], got {value!r}")
+    return float(value)
+
+
+def checked_positive_int(value: Any, label: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{label} must be a positive integer, got {value!r}")
+    return value
+
+
+def _not_a_number(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, (int, float))

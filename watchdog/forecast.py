@@ -19,7 +19,8 @@ class Leak:
     buffers_per_step: float  # for the whole site
     buffers: int  # buffers held at the site at the last measurement
     # Fix mode: the fix cuts this site's chains; buffers_per_step is what it would add without
-    # the fix (what the probes saw), not what stays resident.
+    # the fix (what the probes saw), not what stays resident. A site that also grows in number
+    # of arrays has a second, uncut, entry for that part.
     cut: bool = False
 
 
