@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import random
 import time
 from typing import Any, Optional
@@ -232,7 +233,7 @@ class Decode:
         would include the other variants' turns and grant it extra budget: move its clocks
         forward by the time it sat out, as if it had run alone. (A private attribute of the
         core: benchmark only.)"""
-        if self.wd is not None and self.wd._last_observe is not None:
+        if self.wd is not None and math.isfinite(self.wd._last_observe):
             self.wd._last_observe += time.perf_counter() - self._paused_at
 
     def live_cache(self):

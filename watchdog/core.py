@@ -195,14 +195,15 @@ class Watchdog:
 
         self._lock = threading.RLock()
         self._parameter_buffers = 0
-        self._last_observe: Optional[float] = None  # None until the first observed step
+        self._last_observe = math.inf  # the first step's gap is no decode time
+        self._walk_gap = 0.0  # decode seconds from one walk to the next, set by each walk
         self._decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
         self._last_walk_cost = 0.0
         self._budget_spent = 0.0  # seconds of observe() charged to the walk budget
         self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
         self._root_key: Optional[tuple] = None
         self._root_ids: Optional[tuple] = None  # identity of the last roots: skips root_key on the same caches
-        self._root_refs: tuple = ()  # weak references behind those ids: a dead one means the ids were reused
+        self._anchor_ref: Optional[weakref.ref] = None  # their first cache: dead, the ids may be reused
         self._paths: Optional[list[tuple]] = None
         self._pending_paths: Optional[list[tuple]] = None
         self._fixes = 0
@@ -298,32 +299,29 @@ class Watchdog:
     # ----------------------------------------------------------------- the step
 
     def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float) -> None:
-        ids = _identity(roots)
-        followed_alive = _alive(self._root_refs)
-        if ids != self._root_ids or not followed_alive:  # other roots (or a list of arrays): the full key
-            key = root_key(roots)
-            # Equal ids are the same caches only while those caches live: CPython hands a freed
-            # cache's id to the next one, and the next request's caches are built just then.
-            if key != self._root_key or not followed_alive:
-                if prefill and self._root_key is not None:
-                    # A prompt filling other caches: the decode being followed goes on. Its ids
-                    # are not kept, or its next chunk would pass for a step of that decode.
-                    return
-                if self._root_key is not None:
-                    self.reset()
-                self._root_key = key
-                self._paths = self._pending_paths = None
-            self._root_ids = ids
-            self._root_refs = _weak_items(roots)
-        with self._lock:
-            if self._last_observe is not None and start - self._last_observe > 0:
-                # Decode time: the gaps between steps, each capped, so idle time (a server between
-                # requests, a program doing other work) does not bank walking budget.
-                self._decode_seconds += min(start - self._last_observe, MAX_STEP_SECONDS)
-            self._last_observe = start
-            self.steps += 1
-            step = self.steps
-            self._step_times.append((step, start))
+        # This runs on every decode step, on the decode thread, just after the forward has left
+        # the CPU's caches cold: there every Python call and every object touched costs (measured
+        # on a 48-layer CPU decode: 35-41 us a step with the checks in helpers, 13-15 us as here,
+        # 1-2 us in a hot loop). So a step that neither walks nor fixes runs this function alone.
+        if isinstance(roots, (list, tuple)) and roots:  # its first, middle and last items
+            anchor = roots[0]
+            ids = (id(roots), len(roots), id(anchor), id(roots[len(roots) // 2]), id(roots[-1]))
+        else:
+            anchor, ids = roots, (id(roots),)
+        anchor_ref = self._anchor_ref
+        if (ids != self._root_ids or (anchor_ref is not None and anchor_ref() is not anchor)) \
+                and not self._follow(roots, ids, anchor, prefill):
+            return
+        # Written by the decode thread alone, without the lock: a reader racing a step sees
+        # the step count before or after it.
+        gap = start - self._last_observe
+        if gap > 0:
+            # Decode time: the gaps between steps, each capped, so idle time (a server between
+            # requests, a program doing other work) does not bank walking budget.
+            self._decode_seconds += gap if gap < MAX_STEP_SECONDS else MAX_STEP_SECONDS
+        self._last_observe = start
+        step = self.steps = self.steps + 1
+        self._step_times.append((step, start))
 
         # In fix mode a walk starts a probe: the fix waits 1-3 steps, a second walk sees what those
         # steps add to each site (the growth the fix cuts), then the fix runs. The probe's length
@@ -334,7 +332,9 @@ class Watchdog:
             if step >= self._probe[2]:
                 probe, self._probe = self._probe, None
                 walked_pending = self._walk(roots, step, probe_start=probe)
-        elif self._walk_due(start):
+        elif ((self._series_walks < DENSE_WALKS
+               or self._decode_seconds - self._last_walk_decode >= self._walk_gap)
+              and self._walk_due(start)):
             walked_pending = self._walk(roots, step)
             if self.fix:
                 self._probes += 1
@@ -343,15 +343,36 @@ class Watchdog:
         if (self.fix and self._probe is None and step - self._last_fix_step >= self.fix_every
                 and _evaluated_output(last_output)):
             self._fix(roots, walked_pending, step)
-        self._act(roots, last_output, step)
+        if self.stop_within is not None or self.warn_within is not None or self.coordinator is not None:
+            self._act(roots, last_output, step)
+
+    def _follow(self, roots: Any, ids: tuple, anchor: Any, prefill: bool) -> bool:
+        """Other roots than last step's (or a list of arrays, whose ids change every step): are
+        they the caches being followed? Starts a new series when not; False when this forward
+        is not a step at all (a prompt filling other caches)."""
+        key = root_key(roots)
+        # Equal ids are the same caches only while those caches live: CPython hands a freed
+        # cache's id to the next one, and the next request's caches are built just then. The
+        # first cache stands for all (a list that outlives its first cache is no cache list).
+        anchor_ref = self._anchor_ref
+        if key != self._root_key or (anchor_ref is not None and anchor_ref() is None):
+            if prefill and self._root_key is not None:
+                # A prompt filling other caches: the decode being followed goes on. Its ids
+                # are not kept, or its next chunk would pass for a step of that decode.
+                return False
+            if self._root_key is not None:
+                self.reset()
+            self._root_key = key
+            self._paths = self._pending_paths = None
+        self._root_ids = ids
+        try:  # arrays are rebound every step, and some objects take no weak reference
+            self._anchor_ref = None if isinstance(anchor, mx.array) else weakref.ref(anchor)
+        except TypeError:
+            self._anchor_ref = None
+        return True
 
     def _walk_due(self, now: float) -> bool:
-        if self._series_walks >= DENSE_WALKS:
-            interval = self.walk_interval
-            if interval is None:
-                interval = max(AUTO_WALK_INTERVAL, self._last_walk_cost / AUTO_WALK_SHARE)
-            if self._decode_seconds - self._last_walk_decode < interval:
-                return False
+        """Is the walk that _observe finds due within the budget?"""
         # Everything observe() spends counts, not only walks (wall time: that is what the decode
         # loses; CPU time undercounts on a busy machine, measured 2.9% vs 1%). The budget runs
         # over the watchdog's lifetime, not per decode: a server starts a new series with every
@@ -423,6 +444,11 @@ class Watchdog:
             self._series_walks += 1
             self._last_walk_decode = self._decode_seconds
         self._last_walk_cost = time.perf_counter() - t0
+        # After the dense walks of a decode: one per walk_interval of decode time.
+        interval = self.walk_interval
+        if interval is None:
+            interval = max(AUTO_WALK_INTERVAL, self._last_walk_cost / AUTO_WALK_SHARE)
+        self._walk_gap = interval
         if self.on_forecast is not None:
             try:
                 self.on_forecast(self.forecast())
@@ -492,8 +518,6 @@ class Watchdog:
         return arrays
 
     def _act(self, roots: Any, last_output: Any, step: int) -> None:
-        if self.stop_within is None and self.warn_within is None and self.coordinator is None:
-            return
         with self._lock:  # cheap arithmetic; the full Forecast only when a threshold is crossed
             stl = fc.steps_to_limit(self._resident_now(step), self.limit, self._rate)
         if self.coordinator is not None:
@@ -618,41 +642,6 @@ def _evaluated_output(output: Any) -> bool:
 def _resolvable(steps: tuple) -> bool:
     """Can ``resolve`` find this path again? (Not through a set: sets have no order to follow.)"""
     return all(kind != "set" for kind, _ in steps)
-
-
-def _identity(roots: Any) -> tuple:
-    """Cheap identity of the roots, O(1): the container and its first, middle and last items.
-    Equal to the last step's means the same caches (mlx-lm builds a new list when a batch
-    changes); it differs every step for a list of arrays, then root_key decides. In a real
-    decode, Python runs 5-10x slower than in a hot loop: reading all 48 ids of a 48-layer cache
-    list took 20 us a step there."""
-    if isinstance(roots, (list, tuple)):
-        n = len(roots)
-        if n == 0:
-            return (id(roots), 0)
-        return (id(roots), n, id(roots[0]), id(roots[n // 2]), id(roots[-1]))
-    return (id(roots),)
-
-
-def _weak_items(roots: Any) -> tuple:
-    """Weak references to the objects whose ids ``_identity`` and ``root_key`` compare (arrays
-    are left out: they are rebound every step), for those that take one."""
-    if isinstance(roots, (list, tuple)):
-        items = (roots[0], roots[len(roots) // 2], roots[-1]) if roots else ()
-    else:
-        items = (roots,)
-    refs = []
-    for item in items:
-        if not isinstance(item, mx.array):
-            try:
-                refs.append(weakref.ref(item))
-            except TypeError:  # a dict, a list, a class with __slots__ and no __weakref__
-                pass
-    return tuple(refs)
-
-
-def _alive(refs: tuple) -> bool:
-    return all(ref() is not None for ref in refs)
 
 
 # The option checks, shared with serve, whose errors name its flags (``label``).
