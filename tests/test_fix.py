@@ -17,6 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
@@ -406,32 +408,37 @@ class GrowingList:
         mx.eval(self.blocks[-1])
 
 
-class GrowingListWithChain:
-    """One site, two leaks: a lazy chain the fix cuts (``blocks[0]`` rebound to ``x + 1``) and one
-    more evaluated block each step, which no fix can cut."""
+class GrowingListWithChains:
+    """One site, two kinds of growth: ``chains`` lazy chains the fix cuts (``blocks[i]`` rebound to
+    ``x + 1``) and ``appended`` more evaluated blocks each step, which no fix can cut."""
 
-    def __init__(self):
-        self.blocks = [mx.array(0)]
+    def __init__(self, chains: int, appended: int):
+        self.chains, self.appended = chains, appended
+        self.blocks = [mx.array(0) for _ in range(max(1, chains))]
         mx.eval(self.blocks)
 
     def step(self):
-        self.blocks[0] = self.blocks[0] + 1
-        self.blocks.append(mx.array([len(self.blocks)]))
-        mx.eval(self.blocks[-1])
+        for i in range(self.chains):
+            self.blocks[i] = self.blocks[i] + 1
+        for _ in range(self.appended):
+            self.blocks.append(mx.array([len(self.blocks)]))
+            mx.eval(self.blocks[-1])
 
 
-def test_a_site_the_fix_only_partly_repairs_is_reported_as_two_leaks():
+@settings(max_examples=12, deadline=None)
+@given(chains=st.integers(0, 3), appended=st.integers(0, 2))
+def test_what_the_fix_cuts_and_what_it_cannot_are_reported_apart(chains, appended):
     wd = Watchdog(10**6, fix=True, fix_every=1, export=False, overhead_budget=1.0, walk_interval=0)
-    cache = GrowingListWithChain()
-    for _ in range(120):
+    cache = GrowingListWithChains(chains, appended)
+    for _ in range(80):
         wd.observe(cache)
         cache.step()
-    leaks = {leak.cut: leak for leak in wd.forecast().leaks}
-    assert len(wd.forecast().leaks) == 2 and {leak.site for leak in leaks.values()} == {"GrowingListWithChain.blocks"}
-    assert leaks[True].buffers_per_step == pytest.approx(1.0, abs=0.1)  # the chain, cut
-    assert leaks[False].buffers_per_step == pytest.approx(1.0, abs=0.1)  # the blocks, still growing
-    assert wd.forecast().buffers_per_step == pytest.approx(1.0, abs=0.1)
-    assert "(cut by the fix)" in wd.forecast().describe()
+    rates = {cut: leak.buffers_per_step for cut in (True, False) for leak in wd.forecast().leaks if leak.cut == cut}
+    assert {leak.site for leak in wd.forecast().leaks} <= {"GrowingListWithChains.blocks"}
+    assert rates.get(True, 0.0) == pytest.approx(chains, abs=0.1)  # the chains, cut
+    assert rates.get(False, 0.0) == pytest.approx(appended, abs=0.1)  # the blocks, still growing
+    assert wd.forecast().buffers_per_step == pytest.approx(appended, abs=0.1)
+    assert ("(cut by the fix)" in wd.forecast().describe()) == (chains > 0)
 
 
 def test_stop_within_with_fix_still_stops_when_materializing_does_not_help():
