@@ -148,7 +148,7 @@ def watchdog_for(variant: str) -> Optional[Watchdog]:
         return wd
     if variant == "nowalk":
         wd = Watchdog(export=False)
-        wd._walk_due = lambda now: False
+        wd._walk_affordable = lambda: False
         return wd
     return None
 

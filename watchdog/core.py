@@ -334,7 +334,7 @@ class Watchdog:
                 walked_pending = self._walk(roots, step, probe_start=probe)
         elif ((self._series_walks < DENSE_WALKS
                or self._decode_seconds - self._last_walk_decode >= self._walk_gap)
-              and self._walk_due(start)):
+              and self._walk_affordable()):
             walked_pending = self._walk(roots, step)
             if self.fix:
                 self._probes += 1
@@ -371,8 +371,8 @@ class Watchdog:
             self._anchor_ref = None
         return True
 
-    def _walk_due(self, now: float) -> bool:
-        """Is the walk that _observe finds due within the budget?"""
+    def _walk_affordable(self) -> bool:
+        """Does a walk that is due fit in the budget?"""
         # Everything observe() spends counts, not only walks (wall time: that is what the decode
         # loses; CPU time undercounts on a busy machine, measured 2.9% vs 1%). The budget runs
         # over the watchdog's lifetime, not per decode: a server starts a new series with every
