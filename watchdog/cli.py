@@ -17,11 +17,10 @@ serve.py (or mlx-lm's server) cannot be imported.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from typing import Optional, Sequence
 
-from . import __version__
+from . import __version__, options
 
 EXIT_OK = 0
 EXIT_LEAK = 1
@@ -52,11 +51,11 @@ def checked(convert, is_valid, what: str, name: str):
     return parse
 
 
-positive_int = checked(int, lambda v: v > 0, "a positive integer", "positive_int")
-port_number = checked(int, lambda v: 0 <= v <= 65535, "a port number from 0 to 65535", "port_number")
-step_count = checked(float, lambda v: 0 <= v < math.inf, "a finite number of steps >= 0", "step_count")
-fraction = checked(float, lambda v: 0 < v <= 1, "a fraction in (0, 1]", "fraction")
-seconds = checked(float, lambda v: 0 <= v < math.inf, "a finite number of seconds >= 0", "seconds")
+positive_int = checked(int, options.POSITIVE_INT.holds, options.POSITIVE_INT.what, "positive_int")
+port_number = checked(int, options.PORT.holds, options.PORT.what, "port_number")
+step_count = checked(float, options.STEPS.holds, options.STEPS.what, "step_count")
+fraction = checked(float, options.FRACTION.holds, options.FRACTION.what, "fraction")
+seconds = checked(float, options.SECONDS.holds, options.SECONDS.what, "seconds")
 
 
 # --------------------------------------------------------------------------- parser

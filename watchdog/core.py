@@ -31,6 +31,7 @@ from . import forecast as fc
 from .graph import account, is_evaluated
 from .introspect import MAX_DEPTH, MAX_OBJECTS, resolve, root_key, scan
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
+from .options import checked_fraction, checked_positive_int, checked_steps, checked_walk_interval
 
 try:  # records mx.distributed.init() from here on, so watchdogs learn their rank (distributed.py)
     from . import distributed as _distributed
@@ -642,38 +643,3 @@ def _evaluated_output(output: Any) -> bool:
 def _resolvable(steps: tuple) -> bool:
     """Can ``resolve`` find this path again? (Not through a set: sets have no order to follow.)"""
     return all(kind != "set" for kind, _ in steps)
-
-
-# The option checks, shared with serve, whose errors name its flags (``label``).
-
-def checked_walk_interval(value: Any, label: str = "walk_interval") -> Optional[float]:
-    """``walk_interval`` as the watchdog keeps it: None (auto) or finite seconds >= 0 as a float."""
-    if value is None:
-        return None
-    if _not_a_number(value) or not 0 <= value < math.inf:
-        raise ValueError(f"{label} must be a finite number of seconds >= 0 or None, got {value!r}")
-    return float(value)
-
-
-def checked_steps(value: Any, label: str) -> Optional[float]:
-    """A threshold in steps (``warn_within``, ``stop_within``): None or finite >= 0 (NaN would
-    never compare true: a threshold that silently never fires)."""
-    if value is not None and (_not_a_number(value) or not 0 <= value < math.inf):
-        raise ValueError(f"{label} must be a finite number of steps >= 0 or None, got {value!r}")
-    return value
-
-
-def checked_fraction(value: Any, label: str) -> float:
-    if _not_a_number(value) or not 0 < value <= 1:
-        raise ValueError(f"{label} must be a fraction in (0, 1], got {value!r}")
-    return float(value)
-
-
-def checked_positive_int(value: Any, label: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{label} must be a positive integer, got {value!r}")
-    return value
-
-
-def _not_a_number(value: Any) -> bool:
-    return isinstance(value, bool) or not isinstance(value, (int, float))

@@ -44,8 +44,8 @@ import mlx.core as mx
 
 from .attach import unwatch_model, watch_model, watched_state
 from .cli import fraction, port_number, positive_int, seconds, split_server_argv, step_count
-from .core import (ResourceLimitForecast, Watchdog, checked_fraction, checked_positive_int, checked_steps,
-                   checked_walk_interval)
+from .core import ResourceLimitForecast, Watchdog
+from .options import checked_fraction, checked_port, checked_positive_int, checked_steps, checked_walk_interval
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -151,9 +151,7 @@ def watchdog_options(args: argparse.Namespace) -> dict:
         checked_positive_int(limit, "--limit")
     interval = checked_walk_interval(get("walk_interval", DEFAULTS["walk_interval"]), "--walk-interval")
     if not get("no_metrics", False):
-        port = get("metrics_port", DEFAULT_METRICS_PORT)
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"--metrics-port must be a port number from 0 to 65535, got {port!r}")
+        checked_port(get("metrics_port", DEFAULT_METRICS_PORT), "--metrics-port")
         addr = get("metrics_addr", DEFAULT_METRICS_ADDR)
         if not isinstance(addr, str) or not addr.strip():
             raise ValueError(f"--metrics-addr must be a host name or IP address, got {addr!r}")
