@@ -17,6 +17,7 @@ import dataclasses
 import errno
 import importlib.metadata
 import logging
+import math
 import numbers
 import os
 import socket
@@ -61,13 +62,20 @@ _SPECS = (
           "The buffer limit the forecast counts against (Metal's resource_limit; 499000 where the "
           "device reports none). A process that allocates past it crashes."),
     _Spec("mlx_watchdog_buffers_per_step", "gauge",
-          "Net growth of resident buffers per decode step; 0 when flat, above 0 means a leak."),
+          "Net growth of resident buffers per decode step now; 0 when flat or not decoding, above 0 "
+          "means a leak, NaN until measured (see mlx_watchdog_rate_known)."),
     _Spec("mlx_watchdog_steps_to_limit", "gauge",
           "Decode steps left until resident buffers reach the limit at the current growth "
-          "(+Inf when not growing)."),
+          "(+Inf when not growing or not decoding, NaN until measured)."),
     _Spec("mlx_watchdog_seconds_to_limit", "gauge",
           "Seconds left until resident buffers reach the limit at the current growth and step rate "
-          "(+Inf when not growing or not stepping)."),
+          "(+Inf when not growing or not decoding, NaN until measured)."),
+    _Spec("mlx_watchdog_rate_known", "gauge",
+          "1 once the growth per step has been measured on the caches alive now, 0 before: "
+          "buffers_per_step and the time to the limit are then NaN, not a reading of no leak."),
+    _Spec("mlx_watchdog_decoding", "gauge",
+          "1 while decode steps are observed, 0 when none came for a few seconds or the "
+          "generation ended (resident buffers still held stay in resident_buffers)."),
     _Spec("mlx_watchdog_pending_graph_nodes", "gauge",
           "Unevaluated (lazy) graph nodes hanging off the watched cache at the last measurement."),
     _Spec("mlx_watchdog_leak_buffers_per_step", "gauge",
@@ -191,17 +199,27 @@ class WatchdogCollector:
         """All samples of one watchdog, built before any is added (all or none)."""
         f = wd.forecast()
         base = (label,) + ((str(wd.rank),) if with_rank else ())  # this process, not a worst rank
+        # What grows now: nothing while nothing steps (no alert pages for an idle server), and
+        # nothing known before it was measured (NaN: no "0/step" that would read as no leak).
+        if not f.rate_known:
+            per_step = steps_left = seconds_left = math.nan
+        elif not f.decoding:
+            per_step, steps_left, seconds_left = 0.0, math.inf, math.inf
+        else:
+            per_step, steps_left, seconds_left = f.buffers_per_step, f.steps_to_limit, f.seconds_to_limit
         rows = [
             ("mlx_watchdog_resident_buffers", base, f.resident_buffers),
             ("mlx_watchdog_resource_limit_buffers", base, f.limit),
-            ("mlx_watchdog_buffers_per_step", base, f.buffers_per_step),
-            ("mlx_watchdog_steps_to_limit", base, f.steps_to_limit),
-            ("mlx_watchdog_seconds_to_limit", base, f.seconds_to_limit),
+            ("mlx_watchdog_buffers_per_step", base, per_step),
+            ("mlx_watchdog_steps_to_limit", base, steps_left),
+            ("mlx_watchdog_seconds_to_limit", base, seconds_left),
+            ("mlx_watchdog_rate_known", base, int(f.rate_known)),
+            ("mlx_watchdog_decoding", base, int(f.decoding)),
             ("mlx_watchdog_pending_graph_nodes", base, f.pending_graph_nodes),
             ("mlx_watchdog_step_rate", base, f.step_rate),
         ]
         rows += [("mlx_watchdog_fixed_leak_buffers_per_step" if leak.cut else "mlx_watchdog_leak_buffers_per_step",
-                  base + (leak.site,), leak.buffers_per_step) for leak in f.leaks]
+                  base + (leak.site,), leak.buffers_per_step if f.decoding else 0.0) for leak in f.leaks]
         for name, value in (("mlx_watchdog_prefill_graph_nodes", f.prefill_graph_nodes),
                             ("mlx_watchdog_max_safe_prefill_tokens", f.max_safe_prefill_tokens)):
             if value is not None:

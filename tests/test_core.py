@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 
-from mlx_watchdog import Watchdog, core, find_arrays, materialize
+from mlx_watchdog import Watchdog, core, find_arrays, materialize, schedule
+from mlx_watchdog import forecast as fcast
 from mlx_watchdog.attach import watch_model
 from mlx_watchdog.graph import account, is_evaluated
 from mlx_watchdog.tiny import build_model, tiny_prompts
@@ -205,12 +206,12 @@ def test_roots_without_arrays_warn_once_and_do_not_crash(caplog):
 
 
 def test_internal_failures_are_counted_and_the_decode_goes_on(monkeypatch, caplog):
-    import mlx_watchdog.core as core
+    from mlx_watchdog import sampling
 
-    def broken(arrays):
+    def broken(arrays, **_):
         raise RuntimeError("walk failed")
 
-    monkeypatch.setattr(core, "account", broken)
+    monkeypatch.setattr(sampling, "account", broken)
     wd = Watchdog(limit=100)
     cache = ScalarCache()
     with caplog.at_level(logging.WARNING, logger="mlx_watchdog"):
@@ -272,26 +273,36 @@ def fake_decode(wd, cache, clock, steps):
     return walked_at
 
 
+def use_clock(monkeypatch, clock):
+    from mlx_watchdog import sampling
+
+    monkeypatch.setattr(core, "time", clock)
+    monkeypatch.setattr(sampling, "time", clock)
+
+
 def charge_walks(monkeypatch, clock, cost):
     """Make each walk take ``cost(reading)`` seconds of the fake clock."""
-    real_account = core.account
+    from mlx_watchdog import sampling
 
-    def costly_account(arrays):
-        reading = real_account(arrays)
+    real_account = sampling.account
+
+    def costly_account(arrays, **options):
+        reading = real_account(arrays, **options)
         clock.now += cost(reading)
         return reading
 
-    monkeypatch.setattr(core, "account", costly_account)
+    monkeypatch.setattr(sampling, "account", costly_account)
 
 
-def test_walks_are_dense_at_first_then_one_per_walk_interval(monkeypatch):
+def test_walks_are_dense_as_an_epoch_starts_then_one_per_walk_interval(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(core, "time", clock)
+    use_clock(monkeypatch, clock)
     cache = ScalarCache()
     wd = Watchdog(limit=10**6, export=False)  # default walk_interval: 0.5 s
     walked_at = fake_decode(wd, cache, clock, 1000)
-    assert walked_at[:core.DENSE_WALKS] == list(range(1, core.DENSE_WALKS + 1))
-    later = walked_at[core.DENSE_WALKS - 1:]
+    dense = [1 + offset for offset in schedule.DENSE_OFFSETS]
+    assert walked_at[:len(dense)] == dense
+    later = walked_at[len(dense) - 1:]
     assert {b - a for a, b in zip(later, later[1:])} == {32}  # 0.5 s of decode at 1/64 s per step
     assert wd.forecast().buffers_per_step == pytest.approx(1.0)
 
@@ -307,7 +318,7 @@ def test_walks_stay_within_the_budget_when_a_leak_is_left_unfixed(monkeypatch):
     # by the end one walk costs more than a second of decode. The watchdog's own time must
     # still come to at most overhead_budget of the decode, amortized; the credit is no bonus.
     clock = FakeClock()
-    monkeypatch.setattr(core, "time", clock)
+    use_clock(monkeypatch, clock)
     charge_walks(monkeypatch, clock, lambda reading: 2e-5 * (reading.pending_nodes + reading.retained_buffers + 100))
     cache = ScalarCache()
     wd = Watchdog(limit=10**6, export=False, overhead_budget=0.01, walk_interval=0)
@@ -317,7 +328,7 @@ def test_walks_stay_within_the_budget_when_a_leak_is_left_unfixed(monkeypatch):
         cache.step()
         clock.now += STEP
         decode += STEP
-        if decode >= core.WALK_CREDIT_SECONDS / 0.01:
+        if decode >= schedule.WALK_CREDIT_SECONDS / 0.01:
             assert wd.overhead_seconds <= 0.01 * decode + 2e-5 * (2 * step + 100), step
     assert wd.overhead_seconds >= 0.005 * decode  # the budget is used, not left idle
     assert wd.forecast().measured_step > 4500  # walks thin out, but go on to the end
@@ -327,39 +338,41 @@ def test_walks_stay_within_the_budget_when_a_leak_is_left_unfixed(monkeypatch):
 def test_dear_walks_are_spaced_to_a_thousandth_of_decode_time(monkeypatch):
     # The default walk_interval (None): 0.5 s, or longer when one walk costs more than 0.5 ms.
     clock = FakeClock()
-    monkeypatch.setattr(core, "time", clock)
+    use_clock(monkeypatch, clock)
     charge_walks(monkeypatch, clock, lambda reading: 2 ** -8)  # 3.9 ms: 3.9 s apart is 0.1% of decode
     wd = Watchdog(limit=10**6, export=False)
     walked_at = fake_decode(wd, ScalarCache(), clock, 3000)
-    later = walked_at[core.DENSE_WALKS - 1:]
+    later = walked_at[len(schedule.DENSE_OFFSETS) + 1:]
     gaps = {b - a for a, b in zip(later, later[1:])}
     assert gaps and gaps <= {249, 250, 251}, gaps  # 3.9 s of decode at 1/64 s per step
     assert wd.forecast().buffers_per_step == pytest.approx(1.0)
 
 
 def test_many_short_decodes_share_one_budget(monkeypatch):
-    # A server starts a new series with every change of its batch; each new series is walked
-    # densely at first, but from one budget for the watchdog's lifetime, not a credit per series.
+    # Each request is a new epoch, walked densely at first, but from one budget for the
+    # watchdog's lifetime, not a credit per epoch.
     clock = FakeClock()
-    monkeypatch.setattr(core, "time", clock)
+    use_clock(monkeypatch, clock)
     walk_cost = 2 ** -10  # ~1 ms
     charge_walks(monkeypatch, clock, lambda reading: walk_cost)
     wd = Watchdog(limit=10**6, export=False)
     decode = 0.0
     for request in range(200):
-        cache = ScalarCache()  # a new request: new roots, a new series
+        cache = ScalarCache()  # a new request: new caches, a new epoch
         for _ in range(20):
             wd.observe(cache)
             cache.step()
             clock.now += STEP
             decode += STEP
-    assert decode > 10 * core.WALK_CREDIT_SECONDS / 0.01
+    assert decode > 10 * schedule.WALK_CREDIT_SECONDS / 0.01
     # The watched decode's wall time includes the watchdog's own time.
     assert wd.overhead_seconds <= 0.01 * (decode + wd.overhead_seconds) + walk_cost
     assert wd.walks >= 200  # every request still gets measured
 
 
-def test_a_new_decode_starts_a_new_series_and_a_rewrapped_one_does_not():
+def test_caches_that_join_are_read_with_the_others_and_their_arrival_is_no_growth():
+    # The unit is every cache alive, not one decode: a cache that joins (a request entering a
+    # busy batch) adds its buffers at once, a jump that is not growth; the growth goes on.
     caches = [ScalarCache() for _ in range(5)]
     wd = Watchdog(limit=10**6, export=False, overhead_budget=1.0, walk_interval=0)
     for _ in range(10):
@@ -367,19 +380,32 @@ def test_a_new_decode_starts_a_new_series_and_a_rewrapped_one_does_not():
         for c in caches:
             c.step()
     assert wd.forecast().buffers_per_step == pytest.approx(5.0)
-    for replaced in (0, 2, 4):  # a new cache anywhere in the list: a new decode
-        wd.observe(caches[:replaced] + [ScalarCache()] + caches[replaced + 1:])
-        assert wd.forecast().buffers_per_step == 0.0 and wd._samples and len(wd._samples) == 1
-        wd.observe(list(caches))  # and back: new again
-        assert len(wd._samples) == 1
-    wd.observe(caches[:4])  # one cache fewer (a finished sequence): new
-    assert len(wd._samples) == 1
+    joined = ScalarCache()
+    for c in range(3):
+        joined.step()
+    before = wd.forecast().resident_buffers
+    wd.observe(caches + [joined])
+    assert wd.forecast().resident_buffers == before + 5 + joined_buffers(joined)
+    assert wd.forecast().buffers_per_step == pytest.approx(5.0)  # the jump is no slope
+    for _ in range(40):  # the latest epoch is read alone once it spans fcast.RECENT_SPAN steps
+        wd.observe(caches + [joined])
+        for c in caches + [joined]:
+            c.step()
+    assert wd.forecast().buffers_per_step == pytest.approx(6.0)
+    # A cache of the batch that is no longer among the roots (a request left) is still held
+    # by the process while it lives, so it is still read.
+    wd.observe(caches)
+    assert wd.forecast().resident_buffers >= account([joined.keys, joined.countdown]).retained_buffers
+
+
+def joined_buffers(cache):
+    reading = account([cache.keys, cache.countdown])
+    return reading.evaluated_arrays + reading.retained_buffers
 
 
 def test_a_prompt_prefilled_in_chunks_beside_the_decode_is_not_counted_as_its_steps():
     # BatchGenerator fills a new prompt's caches chunk by chunk (prefill_step_size) between decode
-    # steps of the running batch. Before: the second chunk passed for a step of the decode, and its
-    # caches (growing chains here) were walked as the decode's.
+    # steps of the running batch: no steps of the decode, but their buffers are held, so read.
     decode = [ScalarCache() for _ in range(2)]
     prompt = [ScalarCache() for _ in range(3)]
     wd = Watchdog(limit=10**6, export=False, overhead_budget=1.0, walk_interval=0)
@@ -392,7 +418,9 @@ def test_a_prompt_prefilled_in_chunks_beside_the_decode_is_not_counted_as_its_st
             c.step()
     assert (wd.steps, wd.walks) == (6, walks)
     wd.observe(decode)
-    assert wd.steps == 7 and wd.forecast().buffers_per_step == 0.0 and not wd.forecast().leaks
+    f = wd.forecast()
+    assert wd.steps == 7 and f.buffers_per_step == 0.0 and not f.leaks
+    assert f.resident_buffers == 2 * 2 + 3 * (2 + 4)  # the prompt's caches and their chains are read
 
 
 def test_new_caches_that_reuse_the_ids_of_freed_ones_are_a_new_decode():
@@ -414,5 +442,6 @@ def test_new_caches_that_reuse_the_ids_of_freed_ones_are_a_new_decode():
     reused = [by_id[i] for i in old_ids]
     wd.observe(reused, prefill=True)  # the next request's prompt: no step of the finished decode
     assert wd.steps == 6
-    wd.observe(reused)  # its first decode step: a new decode
-    assert len(wd._samples) == 1 and wd.forecast().buffers_per_step == 0.0
+    wd.observe(reused)  # its first decode step: a new decode, none of the old caches lives
+    f = wd.forecast()
+    assert not f.rate_known and f.buffers_per_step == 0.0 and f.resident_buffers == 3 * 2

@@ -52,6 +52,7 @@ GAUGES = {
     "mlx_watchdog_memory_cache_bytes", "mlx_watchdog_memory_limit_bytes",
     "mlx_watchdog_process_resident_memory_bytes", "mlx_watchdog_info",
     "mlx_watchdog_prefill_graph_nodes", "mlx_watchdog_max_safe_prefill_tokens",
+    "mlx_watchdog_rate_known", "mlx_watchdog_decoding",
 }
 COUNTERS = {  # sample names; the family names lack "_total"
     "mlx_watchdog_steps_total", "mlx_watchdog_materialized_arrays_total",

@@ -275,6 +275,7 @@ class _Watching:
                     entry[1] -= 1
                     if entry[1] == 0:
                         state.blocks.remove(entry)
+                        self.watchdog.generation_ended()  # its last call returned: nothing steps
                     break
             if state.blocks:  # blocks still open: the most recent one's watchdog watches
                 watch_model(self.model, state.blocks[-1][0])

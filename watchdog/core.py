@@ -4,13 +4,12 @@ One ``Watchdog`` follows one model's decode. ``observe(roots)`` runs once per st
 *entry* of the step: whatever is still pending in the cache then was left behind by the
 previous step (observing right after the forward would walk the whole forward graph).
 
-Cost control: a graph walk is O(graph) and cannot be cut short, so walks are *sampled*.
-Each decode is walked densely at first (its first ``DENSE_WALKS`` walks), then at most once
-per ``walk_interval`` seconds of decode, by default every
-half second or, when walks are dear, far enough apart that they take 0.1% of decode time: a
-forecast of a limit hours away needs no more. Over both, and over every decode the watchdog
-follows, its own time stays within ``overhead_budget`` of the decode's wall time (after a small
-start-up credit). Between walks the forecast extrapolates.
+What it reads is every cache of the model alive in the process (``scope.py``), not one
+decode: a busy batch that outlives its requests, a prompt filled beside it, two decodes at once.
+When it reads is ``schedule.py``'s: densely as each set of caches starts, then by decode time,
+within a lifetime budget. How much of the graph one reading walks is ``sampling.py``'s: all of it,
+or a sample of each site's pending chains when walking all would stall the decode. Between
+readings the forecast extrapolates.
 """
 
 from __future__ import annotations
@@ -28,10 +27,13 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import forecast as fc
-from .graph import account, is_evaluated
-from .introspect import MAX_DEPTH, MAX_OBJECTS, resolve, root_key, scan
+from .graph import is_evaluated
+from .introspect import MAX_DEPTH, MAX_OBJECTS, resolve, scan, scan_all
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
 from .options import checked_fraction, checked_positive_int, checked_steps, checked_walk_interval
+from .sampling import Sampler, warm_up
+from .schedule import Schedule
+from .scope import Scope
 
 try:  # records mx.distributed.init() from here on, so watchdogs learn their rank (distributed.py)
     from . import distributed as _distributed
@@ -40,11 +42,8 @@ except Exception:  # an MLX without mx.distributed: watchdogs stay single-proces
 
 logger = logging.getLogger("mlx_watchdog")
 
-WALK_CREDIT_SECONDS = 0.05  # budget granted up front (a floor, not added), so early steps are measured densely
-DENSE_WALKS = 32  # walks of a new decode taken as often as the budget allows; then one per walk_interval
-AUTO_WALK_INTERVAL = 0.5  # seconds between walks after the dense ones (walk_interval=None)...
-AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of decode time
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
+IDLE_SECONDS = 3.0  # no step for this long (or 8 typical steps, if longer) is idle: nothing grows
 SAMPLE_WINDOW = 64  # walks kept for the growth-rate fit
 WARN_INTERVAL_SECONDS = 60.0
 LEAK_THRESHOLD = 1e-3  # buffers/step below which a site is not reported as leaking
@@ -172,8 +171,6 @@ class Watchdog:
         self.warn_within = warn_within
         self.stop_within = stop_within
         self.on_forecast = on_forecast
-        self.overhead_budget = overhead_budget
-        self.walk_interval = walk_interval
         self.export = bool(export)
         self.max_objects = max_objects
         self.max_depth = max_depth
@@ -197,13 +194,16 @@ class Watchdog:
         self._lock = threading.RLock()
         self._parameter_buffers = 0
         self._last_observe = math.inf  # the first step's gap is no decode time
-        self._walk_gap = 0.0  # decode seconds from one walk to the next, set by each walk
-        self._decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
-        self._last_walk_cost = 0.0
-        self._budget_spent = 0.0  # seconds of observe() charged to the walk budget
+        self._ended = False  # the attachment said the generation ended
+        self._idle_after = IDLE_SECONDS
         self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
-        self._root_key: Optional[tuple] = None
-        self._root_ids: Optional[tuple] = None  # identity of the last roots: skips root_key on the same caches
+        self._scope = Scope()
+        self._schedule = Schedule(overhead_budget, walk_interval)  # holds overhead_budget, walk_interval
+        self._sampler = Sampler()
+        self._epoch = 0
+        self._epoch_version = -1
+        self._epoch_members: tuple = ()  # weak references to the caches of the current epoch
+        self._root_ids: Optional[tuple] = None  # identity of the last roots: skips the scope on the same caches
         self._anchor_ref: Optional[weakref.ref] = None  # their first cache: dead, the ids may be reused
         self._paths: Optional[list[tuple]] = None
         self._pending_paths: Optional[list[tuple]] = None
@@ -216,6 +216,11 @@ class Watchdog:
         self._reset_series()
         if model is not None:
             self.count_parameters(model)
+        try:  # one-off costs (the walker thread, MLX's first export, numpy's median) are paid now
+            warm_up()
+            fc.epoch_slope([(0, 0.0, 0), (1, 1.0, 0), (2, 3.0, 0)])
+        except Exception as exc:
+            self._internal_error("warm_up", exc)
         with _live_lock:
             _live.add(self)
         if _distributed is not None:  # never raises; joins only a group the program initialized
@@ -223,12 +228,30 @@ class Watchdog:
 
     # ----------------------------------------------------------------- public API
 
+    @property
+    def overhead_budget(self) -> float:
+        return self._schedule.overhead_budget
+
+    @overhead_budget.setter
+    def overhead_budget(self, value: float) -> None:
+        self._schedule.overhead_budget = checked_fraction(value, "overhead_budget")
+
+    @property
+    def walk_interval(self) -> Optional[float]:
+        return self._schedule.walk_interval
+
+    @walk_interval.setter
+    def walk_interval(self, value: Optional[float]) -> None:
+        self._schedule.walk_interval = checked_walk_interval(value)
+
     def count_parameters(self, model: Any) -> int:
         """Count the model's parameter arrays (once) as resident buffers."""
         try:
             params = model.parameters() if hasattr(model, "parameters") else model
             arrays = {id(a): a for _, a in tree_flatten(params) if isinstance(a, mx.array)}
             self._parameter_buffers = len(arrays)
+            if self.walks == 0:  # nothing read yet: the parameters are what is known to be resident
+                self._measured_resident = float(self._parameter_buffers)
         except Exception as exc:
             self._internal_error("count_parameters", exc)
         return self._parameter_buffers
@@ -254,7 +277,13 @@ class Watchdog:
         finally:
             spent = time.perf_counter() - start
             self.overhead_seconds += spent
-            self._budget_spent += spent
+            self._schedule.spent += spent
+
+    def generation_ended(self) -> None:
+        """Say that nothing steps for now (a generation ended, a server has no request): the
+        forecast reads not decoding at once, instead of after ``IDLE_SECONDS``, and the next
+        step is measured afresh. The attachment points call it; a program may too."""
+        self._ended = True
 
     def forecast(self) -> fc.Forecast:
         """The current forecast (thread-safe; cheap: no graph walk)."""
@@ -263,7 +292,8 @@ class Watchdog:
             rate = self._rate
             resident = self._resident_now(step)
             stl = fc.steps_to_limit(resident, self.limit, rate)
-            step_rate = self._step_rate()
+            decoding = self.decoding()
+            step_rate = self._step_rate() if decoding else 0.0
             return fc.Forecast(
                 step=step,
                 resident_buffers=int(round(resident)),
@@ -283,12 +313,22 @@ class Watchdog:
                 max_safe_prefill_tokens=self.max_safe_prefill_tokens,
                 rank=self.rank,
                 world_size=self.world_size,
+                rate_known=self._rate_known,
+                decoding=decoding,
+                sampled=self._sampled,
             )
 
+    def decoding(self) -> bool:
+        """Is anything stepping? False after ``generation_ended()`` or an idle gap."""
+        if self._ended or self._last_observe == math.inf:
+            return False
+        return time.perf_counter() - self._last_observe <= self._idle_after
+
     def reset(self) -> None:
-        """Forget the measurements of the current decode (a new generation starts)."""
+        """Forget the growth measured so far (a new generation starts); what is resident stays."""
         with self._lock:
             self._reset_series()
+        self._epoch_version = -1
 
     def record_stop(self, reason: str) -> None:
         with self._lock:
@@ -316,13 +356,18 @@ class Watchdog:
         # Written by the decode thread alone, without the lock: a reader racing a step sees
         # the step count before or after it.
         gap = start - self._last_observe
+        schedule = self._schedule
         if gap > 0:
             # Decode time: the gaps between steps, each capped, so idle time (a server between
             # requests, a program doing other work) does not bank walking budget.
-            self._decode_seconds += gap if gap < MAX_STEP_SECONDS else MAX_STEP_SECONDS
+            schedule.decode_seconds += gap if gap < MAX_STEP_SECONDS else MAX_STEP_SECONDS
+        if self._ended or gap > self._idle_after:
+            self._resume()  # after idle: a new generation, measured afresh
         self._last_observe = start
         step = self.steps = self.steps + 1
         self._step_times.append((step, start))
+        if self._scope.version != self._epoch_version:
+            self._new_epoch(step)
 
         # In fix mode a walk starts a probe: the fix waits 1-3 steps, a second walk sees what those
         # steps add to each site (the growth the fix cuts), then the fix runs. The probe's length
@@ -333,9 +378,7 @@ class Watchdog:
             if step >= self._probe[2]:
                 probe, self._probe = self._probe, None
                 walked_pending = self._walk(roots, step, probe_start=probe)
-        elif ((self._series_walks < DENSE_WALKS
-               or self._decode_seconds - self._last_walk_decode >= self._walk_gap)
-              and self._walk_affordable()):
+        elif schedule.due(step):
             walked_pending = self._walk(roots, step)
             if self.fix:
                 self._probes += 1
@@ -348,59 +391,63 @@ class Watchdog:
             self._act(roots, last_output, step)
 
     def _follow(self, roots: Any, ids: tuple, anchor: Any, prefill: bool) -> bool:
-        """Other roots than last step's (or a list of arrays, whose ids change every step): are
-        they the caches being followed? Starts a new series when not; False when this forward
-        is not a step at all (a prompt filling other caches)."""
-        key = root_key(roots)
-        # Equal ids are the same caches only while those caches live: CPython hands a freed
-        # cache's id to the next one, and the next request's caches are built just then. The
-        # first cache stands for all (a list that outlives its first cache is no cache list).
-        anchor_ref = self._anchor_ref
-        if key != self._root_key or (anchor_ref is not None and anchor_ref() is None):
-            if prefill and self._root_key is not None:
-                # A prompt filling other caches: the decode being followed goes on. Its ids
-                # are not kept, or its next chunk would pass for a step of that decode.
-                return False
-            if self._root_key is not None:
-                self.reset()
-            self._root_key = key
-            self._paths = self._pending_paths = None
+        """Other roots than last step's: their caches join the scope. False when this forward is
+        no step (a prompt filling other caches beside the running decode)."""
+        if prefill and self._root_ids is not None and not self._scope.current(anchor):
+            # A prompt filling its own caches (BatchGenerator does that before they join the
+            # batch): they hold buffers, so they are read; but the decode being followed goes on.
+            # Its ids are not kept, or its next chunk would pass for a step of that decode.
+            self._scope.add(roots)
+            return False
+        self._scope.follow(roots)
         self._root_ids = ids
+        self._paths = self._pending_paths = None
         try:  # arrays are rebound every step, and some objects take no weak reference
             self._anchor_ref = None if isinstance(anchor, mx.array) else weakref.ref(anchor)
         except TypeError:
             self._anchor_ref = None
         return True
 
-    def _walk_affordable(self) -> bool:
-        """Does a walk that is due fit in the budget?"""
-        # Everything observe() spends counts, not only walks (wall time: that is what the decode
-        # loses; CPU time undercounts on a busy machine, measured 2.9% vs 1%). The budget runs
-        # over the watchdog's lifetime, not per decode: a server starts a new series with every
-        # change of its batch, and a credit per series would let short requests cost more than
-        # the budget. The start-up credit is a floor, not a bonus: past
-        # WALK_CREDIT_SECONDS / overhead_budget of decode, at most overhead_budget is spent.
-        allowed = max(self.overhead_budget * self._decode_seconds, WALK_CREDIT_SECONDS)
-        return self._budget_spent + self._last_walk_cost <= allowed
+    def _new_epoch(self, step: int) -> None:
+        """Another set of live caches from here on: readings before and after are no growth line.
+        While some caches go on (a request joined a busy batch), the growth measured so far still
+        holds; when none does, this is a new decode, measured afresh."""
+        if self._epoch_members and not any(ref() is not None for ref in self._epoch_members):
+            self.reset()
+        self._epoch += 1
+        self._epoch_members = self._scope.refs()
+        self._epoch_version = self._scope.version
+        self._schedule.new_epoch(step)
+
+    def _resume(self) -> None:
+        """The first step after idle: a new generation, whose growth is measured afresh (the
+        resident buffers and the scope stay)."""
+        self._ended = False
+        self._step_times.clear()  # the idle gap is no step time
+        self.reset()
 
     def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[tuple[str, mx.array]]:
-        """Walk and account the roots; returns the arrays found pending, with their sites."""
+        """Read every live cache; returns the current roots' arrays found pending, with their sites."""
         t0 = time.perf_counter()
-        result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
+        others = self._scope.others()
+        result = scan_all([(roots, "")] + [(c, f"<{type(c).__name__}#{k}>") for k, c in enumerate(others)],
+                          max_objects=self.max_objects, max_depth=self.max_depth)
+        del others
         self._empty_walks = 0 if result.found else self._empty_walks + 1
         if self._empty_walks == 3:  # a fresh cache is empty on its first step; three in a row is not
             self._warn_once("empty", "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)", type(roots).__name__)
         if result.truncated:
             self._warn_once("cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut)
-        self._paths = [f.steps for f in result.found if _resolvable(f.steps)]
-        reading = account([f.array for f in result.found])
-        pending = [f for f, done in zip(result.found, reading.evaluated_by_array) if not done]
+        found = result.found
+        self._paths = [f.steps for f in found if f.root == 0 and _resolvable(f.steps)]
+        reading = self._sampler.read(found, step)
+        pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
         # Between walks the fix re-reads only where pending arrays were seen (see _fix).
         self._pending_paths = [(f.site, f.steps) for f in pending if _resolvable(f.steps)]
 
         sites: dict[str, list] = {}
-        for f, done, retained in zip(result.found, reading.evaluated_by_array, reading.retained_by_array):
-            entry = sites.setdefault(f.site, [0, 0, [], 0])
+        for f, done, retained in zip(found, reading.evaluated, reading.retained):
+            entry = sites.setdefault(f.site, [0, 0.0, [], 0])
             entry[3] += 1
             if done:
                 entry[0] += 1
@@ -410,46 +457,45 @@ class Watchdog:
                     entry[2].append(f.path)
 
         cache_buffers = reading.evaluated_arrays
+        retained_buffers = reading.retained_buffers
         if EXACT_COUNTER is not None:
-            resident = int(EXACT_COUNTER())
+            resident = float(EXACT_COUNTER())
         else:
-            resident = self._parameter_buffers + cache_buffers + reading.retained_buffers
+            resident = self._parameter_buffers + cache_buffers + retained_buffers
+        epoch = self._epoch
         with self._lock:
             for site, (held, retained, paths, arrays) in sites.items():
                 series = self._sites.get(site) or self._sites.setdefault(site, _SiteSeries())
-                series.arrays.append((step, arrays))
+                series.arrays.append((step, arrays, epoch))
                 if probe_start is not None:
                     start_step, start_buffers, _ = probe_start
                     before = start_buffers.get(site, 0)
                     series.growth.append((held + retained - before) / max(1, step - start_step))
                 else:
-                    series.total.append((step, held + retained))
+                    series.total.append((step, held + retained, epoch))
                 series.buffers, series.retained = held + retained, retained
                 if paths:
                     series.paths = tuple(paths)
-            if probe_start is None and result.found:  # an empty cache is no sample of growth
+            if probe_start is None and found:  # an empty cache is no sample of growth
                 sample = resident
                 if self.fix and self._fixed_once and EXACT_COUNTER is None:
                     # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
                     # rate): the growth to forecast is what it leaves behind.
-                    sample = resident - reading.retained_buffers + reading.pending_arrays
-                self._samples.append((step, sample))
-                self._rate = fc.robust_slope(self._samples)
+                    sample = resident - retained_buffers + reading.pending_arrays
+                self._samples.append((step, sample, epoch))
+                rate = fc.epoch_slope(self._samples)
+                if rate is not None:
+                    self._rate, self._rate_known = rate, True
             self._update_leaks()
             self._measured_step = step
             self._measured_resident = resident
             self._cache_buffers = cache_buffers
-            self._retained = reading.retained_buffers
-            self._pending_nodes = reading.pending_nodes
+            self._retained = int(round(retained_buffers))
+            self._pending_nodes = int(round(reading.pending_nodes))
+            self._sampled = reading.sampled
             self.walks += 1
-            self._series_walks += 1
-            self._last_walk_decode = self._decode_seconds
-        self._last_walk_cost = time.perf_counter() - t0
-        # After the dense walks of a decode: one per walk_interval of decode time.
-        interval = self.walk_interval
-        if interval is None:
-            interval = max(AUTO_WALK_INTERVAL, self._last_walk_cost / AUTO_WALK_SHARE)
-        self._walk_gap = interval
+        cost = time.perf_counter() - t0
+        self._schedule.walked(step, cost)
         if self.on_forecast is not None:
             try:
                 self.on_forecast(self.forecast())
@@ -488,7 +534,7 @@ class Watchdog:
             # The fix is a cost the user chose (fix_every sets it); charged to the walk budget it
             # would starve the walks (measured: none after step 97 of 2,000 at fix_every=1) and
             # leave the metrics stale. It still counts in overhead_seconds.
-            self._budget_spent -= time.perf_counter() - fix_started
+            self._schedule.spent -= time.perf_counter() - fix_started
         with self._lock:
             # What the cut chains would have kept: the growth the probes measured, per step.
             per_step = self._probed_growth if self._probed_growth is not None else max(0.0, self._rate)
@@ -498,7 +544,11 @@ class Watchdog:
             self._last_fix_step = step
             if not self._fixed_once:
                 self._fixed_once = True
-                self._samples.clear()  # they counted what the fix now cuts
+                # The readings so far counted what the fix now cuts: from here on the growth is
+                # what it leaves, known at once from the probes (total less what they saw it cut).
+                self._samples.clear()
+                if self._probed_growth is not None:
+                    self._rate = max(0.0, self._rate - self._probed_growth)
                 self._update_leaks()
 
     def _resolve_arrays(self, roots: Any, paths: Optional[list[tuple]] = None) -> list[mx.array]:
@@ -557,23 +607,27 @@ class Watchdog:
     # ----------------------------------------------------------------- helpers
 
     def _reset_series(self) -> None:
-        self._samples: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
+        """Forget the growth measured so far. The last reading of what is resident stays: those
+        buffers are still held (a finished request's chains until its caches die)."""
+        self._samples: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, buffers, epoch)
         self._sites: dict[str, _SiteSeries] = {}
         self._leaks: tuple[fc.Leak, ...] = ()
         self._probed_growth: Optional[float] = None
         self._growing_sites: Optional[set[str]] = None
         self._rate = 0.0
-        self._measured_step = self.steps
-        self._measured_resident = self._parameter_buffers
-        self._cache_buffers = 0
-        self._retained = 0
-        self._pending_nodes = 0
+        self._rate_known = False
+        if not hasattr(self, "_measured_step"):
+            self._measured_step = self.steps
+            self._measured_resident = float(self._parameter_buffers)
+            self._cache_buffers = 0
+            self._retained = 0
+            self._pending_nodes = 0
+            self._sampled = False
+        self._measured_step = self.steps  # nothing is extrapolated past it until measured again
         self._fixed_once = False
         self._last_fix_step = self.steps
         self._probe: Optional[tuple] = None
         self._empty_walks = 0
-        self._series_walks = 0
-        self._last_walk_decode = self._decode_seconds
 
     def _update_leaks(self) -> None:
         """Per-site rates, computed once per walk (not per step or per scrape). Holds the lock."""
@@ -590,11 +644,11 @@ class Watchdog:
                 # The fix cuts the chains, so the series stays flat; the probes saw the growth it cuts.
                 site_rate = site_probed
             else:
-                site_rate = fc.robust_slope(series.total)
+                site_rate = fc.epoch_slope(series.total) or 0.0
             if fixing and grows and series.retained > 0:
                 # The fix schedules this site's pending arrays: it cuts their chains, not the
                 # growth in the number of arrays (that part stays a leak).
-                uncut = min(site_rate, max(0.0, fc.robust_slope(series.arrays)))
+                uncut = min(site_rate, max(0.0, fc.epoch_slope(series.arrays) or 0.0))
                 for rate, cut in ((site_rate - uncut, True), (uncut, False)):
                     if rate > LEAK_THRESHOLD:
                         leaks.append(fc.Leak(site, series.paths, rate, series.buffers, cut=cut))
@@ -612,7 +666,11 @@ class Watchdog:
         if len(self._step_times) < 2:
             return 0.0
         (s0, t0), (s1, t1) = self._step_times[0], self._step_times[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+        if t1 <= t0:
+            return 0.0
+        # A slow decode (a big model on a slow host) is not idle between its steps.
+        self._idle_after = max(IDLE_SECONDS, 8 * (t1 - t0) / (s1 - s0))
+        return (s1 - s0) / (t1 - t0)
 
     def _internal_error(self, where: str, exc: BaseException) -> None:
         with self._lock:

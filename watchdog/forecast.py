@@ -46,6 +46,13 @@ class Forecast:
     max_safe_prefill_tokens: Optional[int] = None
     rank: int = 0
     world_size: int = 1
+    # False until two readings of one set of caches have measured the growth: buffers_per_step
+    # then reads 0 and steps_to_limit +Inf, which mean "not measured", not "no leak".
+    rate_known: bool = True
+    # False while nothing steps (a generation ended, a server between requests): step_rate and
+    # so seconds_to_limit then read 0 and +Inf; the rest is the last decode's.
+    decoding: bool = True
+    sampled: bool = False  # the last reading walked a sample of the pending graphs (too big to walk whole)
 
     @property
     def limit_step(self) -> float:
@@ -55,10 +62,14 @@ class Forecast:
     def describe(self) -> str:
         top = ", ".join(f"{l.site} +{l.buffers_per_step:.3g}/step" + (" (cut by the fix)" if l.cut else "")
                         for l in self.leaks[:3]) or "none"
+        if not self.rate_known:
+            return (f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, "
+                    "growth not measured yet")
+        idle = "" if self.decoding else "; not decoding now"
         return (
             f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, "
             f"{self.buffers_per_step:+.3g}/step, limit in {_fmt(self.steps_to_limit)} steps "
-            f"({_fmt(self.seconds_to_limit)} s); leak sites: {top}"
+            f"({_fmt(self.seconds_to_limit)} s){idle}; leak sites: {top}"
         )
 
 
@@ -85,6 +96,37 @@ def robust_slope(points: Sequence[tuple[float, float]]) -> float:
     if not keep.any():
         return 0.0
     return float(np.median((y[j] - y[i])[keep] / dx[keep]))
+
+
+RECENT_SPAN = 32  # steps the latest epoch must span to be read alone...
+RECENT_POINTS = 5  # ...with at least this many readings
+
+
+def epoch_slope(points: Sequence[tuple[float, float, int]]) -> Optional[float]:
+    """Theil-Sen slope over the pairs of ``(step, value, epoch)`` points of one epoch each.
+
+    A reading of another set of caches (a request joined, a cache died) is a jump, not growth:
+    pairs across two epochs would read it as a slope. Once the latest epoch spans
+    ``RECENT_SPAN`` steps it is read alone, so the rate follows a change within that many steps;
+    before, the epochs of the window are pooled. None when no epoch has two points."""
+    n = len(points)
+    if n < 2:
+        return None
+    latest = points[-1][2]
+    recent = [p for p in points if p[2] == latest]
+    if len(recent) >= RECENT_POINTS and recent[-1][0] - recent[0][0] >= RECENT_SPAN:
+        points, n = recent, len(recent)
+    data = np.asarray(points, dtype=np.float64)
+    x, y, epoch = data[:, 0], data[:, 1], data[:, 2]
+    i, j = _pairs(n)
+    dx = x[j] - x[i]
+    keep = (dx > 0) & (epoch[i] == epoch[j])
+    if not keep.any():
+        return None
+    dy = (y[j] - y[i])[keep]
+    if not dy.any():
+        return 0.0
+    return float(np.median(dy / dx[keep]))
 
 
 @functools.lru_cache(maxsize=8)

@@ -12,25 +12,39 @@ reachable from the arrays it is given (in C++), builds the whole DOT text and ha
 Our arrays are passed by keyword (``n0``, ``n1``, ...) so they keep those names in the text;
 MLX names the others with capital letters, so the two cannot collide. One call for all arrays
 means a buffer shared by two pending chains is counted once.
+
+``export_to_dot`` recurses once per node: a chain ~66k nodes deep overflows the 8 MB stack of
+a main thread and kills the process. Big walks therefore run on one worker thread of ours with
+a large stack, while the calling thread waits (MLX's graph is not safe to read while the
+program changes it, so the walk never runs beside the program).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import queue
 import re
-from typing import Sequence
+import threading
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-
-# An array line: `{ rank=source; "A"; }` evaluated, `{ "A"; }` or `{ rank=sink; "A"; }` pending.
-_ARRAY = re.compile(r'^\{ (?:rank=(source|sink); )?"([^"]+)"; \}$', re.M)
+# One array line of ours: `{ rank=source; "n3"; }` evaluated, `{ "n3"; }` / `{ rank=sink; "n3"; }` pending.
+_OURS = re.compile(r'^\{ (?:rank=(source|sink); )?"n(\d+)"; \}$', re.M)
+_SOURCE = '{ rank=source; "'
 _PRIMITIVE = "shape=rectangle]; }"
+
+MAX_KEYWORDS = 1000  # nanobind passes at most 1,024 keyword arguments to export_to_dot
+# Without the big-stack worker, only walks this small run on the calling thread (the main
+# thread's 8 MB held ~66k nodes of recursion when measured).
+INLINE_NODES = 20_000
+WORKER_STACK_BYTES = 1 << 30  # virtual: only the pages a deep walk touches are ever used
+BYTES_PER_LEVEL = 256  # measured ~125 B of stack per node of recursion; twice that, to be safe
 
 
 @dataclasses.dataclass
 class GraphReading:
-    """Counts for one walk. ``retained_by_array[i]`` is attributed to ``arrays[i]``."""
+    """Counts for one walk. ``retained_by_array[i]`` and ``nodes_by_array[i]`` belong to ``arrays[i]``."""
 
     evaluated_arrays: int  # walked arrays that are evaluated (own a buffer)
     pending_arrays: int  # walked arrays that are still lazy
@@ -39,6 +53,7 @@ class GraphReading:
     retained_by_array: list[int]
     evaluated_by_array: list[bool]
     dot_bytes: int
+    nodes_by_array: list[int] = dataclasses.field(default_factory=list)
 
 
 class _Capture:
@@ -51,10 +66,85 @@ class _Capture:
         self.text += text
 
 
-def export_dot(arrays: Sequence[mx.array]) -> str:
-    capture = _Capture()
-    mx.export_to_dot(capture, **{f"n{i}": a for i, a in enumerate(arrays)})
-    return capture.text
+class _DeepWalker:
+    """One daemon thread with a large stack that runs exports for any caller, one at a time."""
+
+    def __init__(self) -> None:
+        self._jobs: "queue.Queue[tuple[Callable[[], str], list]]" = queue.Queue()
+        self.stack_bytes = 0
+        previous = threading.stack_size()
+        for size in (WORKER_STACK_BYTES, WORKER_STACK_BYTES // 4, 64 << 20):
+            try:
+                threading.stack_size(size)
+                thread = threading.Thread(target=self._run, name="mlx-watchdog-walk", daemon=True)
+                thread.start()
+            except (ValueError, RuntimeError, MemoryError):
+                continue
+            finally:
+                threading.stack_size(previous)
+            self.stack_bytes = size
+            break
+
+    @property
+    def max_depth(self) -> int:
+        return self.stack_bytes // BYTES_PER_LEVEL
+
+    def _run(self) -> None:
+        while True:
+            job, box = self._jobs.get()
+            try:
+                box.append((True, job()))
+            except BaseException as exc:  # handed back to the caller, which raises it
+                box.append((False, exc))
+            finally:
+                box[0].set()
+
+    def run(self, job: Callable[[], str]) -> str:
+        done = threading.Event()
+        box: list = [done]
+        self._jobs.put((job, box))
+        done.wait()
+        ok, value = box[1]
+        if not ok:
+            raise value
+        return value
+
+
+_walker: Optional[_DeepWalker] = None
+_walker_lock = threading.Lock()
+
+
+def deep_walker() -> _DeepWalker:
+    global _walker
+    with _walker_lock:
+        if _walker is None:
+            _walker = _DeepWalker()
+        return _walker
+
+
+class TooDeep(RuntimeError):
+    """A graph that may be deeper than any stack we have would hold: not walked."""
+
+
+def export_dot(arrays: Sequence[mx.array], *, nodes_hint: Optional[int] = None) -> str:
+    """The DOT text of the graphs behind ``arrays`` (at most ``MAX_KEYWORDS`` of them).
+
+    ``nodes_hint``: how many nodes the caller expects (None: unknown). Every walk runs on the
+    big-stack worker (the hand-off costs ~20 us; a walk of a 48-layer cache ~300 us), so a
+    chain deeper than predicted cannot overflow the caller's stack."""
+    def job() -> str:
+        capture = _Capture()
+        mx.export_to_dot(capture, **{f"n{i}": a for i, a in enumerate(arrays)})
+        return capture.text
+
+    walker = deep_walker()
+    if walker.stack_bytes == 0:
+        if nodes_hint is not None and nodes_hint <= INLINE_NODES:
+            return job()
+        raise TooDeep("no thread with a large stack could be started")
+    if nodes_hint is not None and nodes_hint > walker.max_depth:
+        raise TooDeep(f"a graph of ~{nodes_hint} nodes may be deeper than the walker's stack holds")
+    return walker.run(job)
 
 
 def is_evaluated(array: mx.array) -> bool:
@@ -68,35 +158,42 @@ def is_evaluated(array: mx.array) -> bool:
         return False
 
 
-def account(arrays: Sequence[mx.array]) -> GraphReading:
-    """Walk the lazy graphs of ``arrays`` once and attribute every retained buffer.
+def account(arrays: Sequence[mx.array], *, nodes_hint: Optional[int] = None) -> GraphReading:
+    """Walk the lazy graphs of ``arrays`` and attribute every retained buffer and node.
 
     MLX writes the graph in post-order, output by output: every node is written after its
-    inputs, and a node already written is not written again. So the evaluated buffers written
-    between two of our arrays belong to the graph of the second one: one linear pass attributes
-    them, and the per-array counts add up to the total."""
-    if not arrays:
-        return GraphReading(0, 0, 0, 0, [], [], 0)
-    text = export_dot(arrays)
-    retained_by_array = [0] * len(arrays)
-    is_done = [False] * len(arrays)
-    since_last_root = 0
-    for rank, name in _ARRAY.findall(text):
-        if name[0] == "n" and name[1:].isdigit():  # one of ours (MLX's own names are capitals)
-            i = int(name[1:])
-            is_done[i] = rank == "source"
-            retained_by_array[i] += since_last_root
-            since_last_root = 0
-        elif rank == "source":
-            since_last_root += 1
+    inputs, and a node already written is not written again. So what is written between two of
+    our arrays belongs to the graph of the second one: counted slice by slice, the per-array
+    counts add up to the total. More than ``MAX_KEYWORDS`` arrays are walked in batches (a
+    buffer shared across two batches is then counted in both)."""
+    n = len(arrays)
+    retained = [0] * n
+    nodes = [0] * n
+    done = [False] * n
+    dot_bytes = 0
+    for first in range(0, n, MAX_KEYWORDS):
+        batch = arrays[first:first + MAX_KEYWORDS]
+        text = export_dot(batch, nodes_hint=nodes_hint)
+        dot_bytes += len(text)
+        since = 0
+        for match in _OURS.finditer(text):
+            i = first + int(match.group(2))
+            start = match.start()
+            retained[i] += text.count(_SOURCE, since, start)
+            nodes[i] += text.count(_PRIMITIVE, since, start)
+            done[i] = match.group(1) == "source"
+            since = match.end()
+        del text
+    evaluated = sum(done)
     return GraphReading(
-        evaluated_arrays=sum(is_done),
-        pending_arrays=len(arrays) - sum(is_done),
-        pending_nodes=text.count(_PRIMITIVE),
-        retained_buffers=sum(retained_by_array),
-        retained_by_array=retained_by_array,
-        evaluated_by_array=is_done,
-        dot_bytes=len(text),
+        evaluated_arrays=evaluated,
+        pending_arrays=n - evaluated,
+        pending_nodes=sum(nodes),
+        retained_buffers=sum(retained),
+        retained_by_array=retained,
+        evaluated_by_array=done,
+        dot_bytes=dot_bytes,
+        nodes_by_array=nodes,
     )
 
 
@@ -104,4 +201,4 @@ def graph_size(arrays: Sequence[mx.array]) -> tuple[int, int]:
     """(pending nodes, distinct evaluated buffers) of the lazy graph behind ``arrays``:
     what evaluating them would run and read. Used to size a prefill chunk before it runs."""
     text = export_dot(arrays)
-    return text.count(_PRIMITIVE), text.count("{ rank=source; ")
+    return text.count(_PRIMITIVE), text.count(_SOURCE)

@@ -54,6 +54,7 @@ class Found:
     array: mx.array
     # How to reach it again from the root without a new walk: ("attr", name) or ("item", key).
     steps: tuple[tuple[str, Any], ...]
+    root: int = 0  # which of the roots given to scan_all it was found from
 
 
 @dataclasses.dataclass
@@ -76,18 +77,25 @@ def find_arrays(obj: Any) -> list[tuple[str, mx.array]]:
 
 def scan(obj: Any, *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH) -> Scan:
     """Walk ``obj`` and return every reachable array with path, site and access steps."""
+    return scan_all([(obj, "")], max_objects=max_objects, max_depth=max_depth)
+
+
+def scan_all(roots: list[tuple[Any, str]], *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH) -> Scan:
+    """Walk several roots, each ``(object, path prefix)``, as one: an array reachable from two
+    of them is found once. ``Found.root`` is the index of the root it was found from."""
     found: list[Found] = []
     seen: set[int] = set()
     cut: collections.Counter[str] = collections.Counter()
     objects = 0
-    # Stack entries: (object, path, site, steps, depth). Reversed pushes keep natural order.
-    stack: list[tuple[Any, str, str, tuple, int]] = [(obj, "", "root", (), 0)]
+    # Stack entries: (object, path, site, steps, depth, root). Reversed pushes keep natural order.
+    stack: list[tuple[Any, str, str, tuple, int, int]] = [
+        (obj, prefix, "root", (), 0, i) for i, (obj, prefix) in reversed(list(enumerate(roots)))]
     while stack:
-        value, path, site, steps, depth = stack.pop()
+        value, path, site, steps, depth, root = stack.pop()
         if isinstance(value, mx.array):
             if id(value) not in seen:
                 seen.add(id(value))
-                found.append(Found(path or "<root>", site, value, steps))
+                found.append(Found(path or "<root>", site, value, steps, root))
             continue
         if isinstance(value, _ATOMS) or isinstance(value, _OPAQUE):
             continue
@@ -107,7 +115,7 @@ def scan(obj: Any, *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH
             cut["error"] += 1
             continue
         for child, child_path, child_site, step in reversed(children):
-            stack.append((child, child_path, child_site, steps + (step,), depth + 1))
+            stack.append((child, child_path, child_site, steps + (step,), depth + 1, root))
     return Scan(found, objects, dict(cut))
 
 

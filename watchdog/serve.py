@@ -327,6 +327,8 @@ class ServerHooks:
         def _next_request(generator, timeout=None):
             item = original(generator, timeout)
             if item is None:
+                if timeout is not None:  # mlx-lm waits for a request only when no batch has work
+                    hooks._idle()
                 return None
             channel = _Channel(hooks, item[0], tuple(item))
             hooks._track(generator, channel)
@@ -422,6 +424,10 @@ class ServerHooks:
             live = [c for c in self._channels.get(id(generator), ()) if not c.finished and not c.abandoned]
             live.append(channel)
             self._channels[id(generator)] = live
+
+    def _idle(self) -> None:
+        for watchdog in self.watchdogs():
+            watchdog.generation_ended()
 
     def _after_batch_stop(self, generator: Any, exc: ResourceLimitForecast) -> None:
         """The batched loop ended with a stop: end its started requests, requeue the others, and

@@ -1,0 +1,65 @@
+"""When to walk: densely as each epoch starts, then by decode time, within a lifetime budget.
+
+An *epoch* is a stretch of steps over one set of live caches (see ``scope.py``): a new decode,
+a request joining a busy batch, a cache dying, the first fix. Its growth is measured from its
+own readings, so each epoch is walked at its steps 0, 1, 2, 4, ..., 64: a leak there is read
+within 64 steps of its first step. After that a walk is due every ``walk_interval`` seconds of
+decode (by default 0.5 s, or longer when walks are dear, so that they take 0.1% of decode).
+
+Every walk must also fit the budget: the watchdog's own time (all of ``observe``, on the decode
+thread) stays within ``overhead_budget`` of the decode's wall time over the watchdog's lifetime,
+with a small start-up credit as a floor. One-off costs (first calls, imports) are paid when the
+watchdog is made, not charged here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into an epoch that are walked
+WALK_CREDIT_SECONDS = 0.05  # budget granted up front (a floor, not added)
+AUTO_WALK_INTERVAL = 0.5  # seconds of decode between walks after the dense ones (walk_interval=None)...
+AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of decode time
+
+
+class Schedule:
+    def __init__(self, overhead_budget: float, walk_interval: Optional[float]) -> None:
+        self.overhead_budget = overhead_budget
+        self.walk_interval = walk_interval
+        self.decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
+        self.spent = 0.0  # seconds of observe() charged to the budget
+        self.last_cost = 0.0  # seconds of the last walk
+        self._epoch_start = 0
+        self._dense = 0  # index into DENSE_OFFSETS of the next dense walk of the epoch
+        self._last_walk_decode = 0.0
+        self._gap = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
+
+    def new_epoch(self, step: int) -> None:
+        self._epoch_start = step
+        self._dense = 0
+
+    def due(self, step: int) -> bool:
+        """Is a walk due at ``step``, and does it fit the budget? (Every step: kept cheap.)"""
+        wanted = (self.decode_seconds - self._last_walk_decode >= self._gap
+                  or (self._dense < len(DENSE_OFFSETS) and step - self._epoch_start >= DENSE_OFFSETS[self._dense]))
+        return wanted and self.affordable()
+
+    def affordable(self) -> bool:
+        # Everything observe() spends counts, not only walks (wall time: that is what the decode
+        # loses). The budget runs over the watchdog's lifetime: a server has a new epoch with every
+        # change of its batch, and a credit per epoch would let short requests cost more than the
+        # budget. The credit is a floor: past WALK_CREDIT_SECONDS / overhead_budget of decode,
+        # at most overhead_budget is spent.
+        allowed = max(self.overhead_budget * self.decode_seconds, WALK_CREDIT_SECONDS)
+        return self.spent + self.last_cost <= allowed
+
+    def walked(self, step: int, cost: float) -> None:
+        self.last_cost = cost
+        self._last_walk_decode = self.decode_seconds
+        offset = step - self._epoch_start
+        while self._dense < len(DENSE_OFFSETS) and DENSE_OFFSETS[self._dense] <= offset:
+            self._dense += 1
+        if self.walk_interval is not None:
+            self._gap = self.walk_interval
+        else:
+            self._gap = max(AUTO_WALK_INTERVAL, cost / AUTO_WALK_SHARE)

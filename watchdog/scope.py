@@ -1,0 +1,99 @@
+"""What a watchdog looks at: every cache it has seen in a forward pass that is still alive.
+
+A decode is not the unit: a busy server's batch outlives every request, a request joins on a
+cache list of its own for one forward, two decodes may share a model. Buffers are held by all
+of those at once, so a reading walks them all. Caches are held by weak reference (the watchdog
+must not keep a finished request's buffers alive), and the set has a version that changes when
+a cache joins or dies: readings of two versions are not points of one growth line.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterator
+
+import mlx.core as mx
+
+MAX_MEMBERS = 4096  # caches followed at once; more are walked only while they are the roots
+
+
+class Scope:
+    def __init__(self) -> None:
+        self._members: dict[int, weakref.ref] = {}  # id -> weak reference, in the order seen
+        self.version = 0  # changes when a cache joins or dies
+        self._current: frozenset[int] = frozenset()  # ids of the last roots' members
+
+    def follow(self, roots: Any) -> bool:
+        """Make ``roots`` the current roots, adding their caches. Returns whether the set grew."""
+        grew, ids = self._add(roots)
+        self._current = frozenset(ids)
+        return grew
+
+    def add(self, roots: Any) -> bool:
+        """Add the caches of ``roots`` (a prompt filled beside the current roots)."""
+        return self._add(roots)[0]
+
+    def current(self, member: Any) -> bool:
+        """Is ``member`` one of the current roots' caches (not a new object that took its id)?"""
+        ref = self._members.get(id(member))
+        return id(member) in self._current and ref is not None and ref() is member
+
+    def refs(self) -> tuple[weakref.ref, ...]:
+        """Weak references to the caches followed now (to ask later whether any of them lives)."""
+        return tuple(self._members.copy().values())
+
+    def _add(self, roots: Any) -> tuple[bool, list[int]]:
+        ids = []
+        grew = False
+        for member in _members(roots):
+            key = id(member)
+            ids.append(key)
+            ref = self._members.get(key)
+            if ref is not None and ref() is member:
+                continue
+            if len(self._members) >= MAX_MEMBERS:
+                continue
+            try:
+                self._members[key] = weakref.ref(member, self._gone(key))
+            except TypeError:  # takes no weak reference: walked only as part of the roots
+                continue
+            grew = True
+        if grew:
+            self.version += 1
+        return grew, ids
+
+    def others(self) -> list[Any]:
+        """The live caches that are not part of the current roots."""
+        out = []
+        for key, ref in self._members.copy().items():  # a copy: callbacks may remove entries
+            if key in self._current:
+                continue
+            member = ref()
+            if member is not None:
+                out.append(member)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def _gone(self, key: int):
+        def forget(ref: weakref.ref) -> None:  # may run on any thread, at any allocation
+            if self._members.get(key) is ref:
+                del self._members[key]
+                self.version += 1
+        return forget
+
+
+def _members(roots: Any, depth: int = 0) -> Iterator[Any]:
+    """The cache objects in ``roots``: the items of a list, tuple or dict of caches (one level of
+    nesting: a model's caches and its draft's), or the roots themselves."""
+    if isinstance(roots, mx.array):
+        return
+    if isinstance(roots, (list, tuple)) and depth < 2:
+        for item in roots:
+            yield from _members(item, depth + 1)
+    elif type(roots) is dict and depth < 2:
+        for item in list(roots.values()):
+            yield from _members(item, depth + 1)
+    else:
+        yield roots
