@@ -412,12 +412,13 @@ class Watchdog:
         """Another set of live caches from here on: readings before and after are no growth line.
         While some caches go on (a request joined a busy batch), the growth measured so far still
         holds; when none does, this is a new decode, measured afresh."""
-        if self._epoch_members and not any(ref() is not None for ref in self._epoch_members):
+        continuing = self._rate_known and any(ref() is not None for ref in self._epoch_members)
+        if self._epoch_members and not continuing:
             self.reset()
         self._epoch += 1
         self._epoch_members = self._scope.refs()
         self._epoch_version = self._scope.version
-        self._schedule.new_epoch(step)
+        self._schedule.new_epoch(step, continuing=continuing)
 
     def _resume(self) -> None:
         """The first step after idle: a new generation, whose growth is measured afresh (the

@@ -5,9 +5,11 @@ A walk costs ~3 us per pending node on these CPUs (measured: 47 chains of 10,000
 each site's pending graphs is predicted from the last readings. When the prediction fits in
 ``STALL_SECONDS``, one export of every array reads them exactly. When it does not, the reading
 exports every evaluated array and, of each site's pending arrays, only as many as fit, in turn
-from one reading to the next; the other pending arrays of a site are counted as the mean of the
-ones walked. The arrays of one site are one attribute of layers built by the same code, so
-their chains grow alike; the walked ones rotate, so none goes unread for long.
+from one reading to the next. Each other pending array of a site is counted as its own last
+walked size, grown since as the walked ones of its site grew (the arrays of one site are one
+attribute of layers built by the same code, so their chains grow alike, though not from the same
+size: mlx-lm's first layer's left_padding stays short, and a walk attributes a part two chains
+share to the first of them). The walked ones rotate, so none goes unread for long.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Reading:
     nodes: list[float]
     walked: int  # pending arrays whose graphs were walked (the rest are estimated)
     seconds: float
+    walked_indices: Optional[set] = None  # which of them, when not all
 
     @property
     def pending_arrays(self) -> int:
@@ -81,6 +84,7 @@ class Sampler:
         self.seconds_per_node = INITIAL_SECONDS_PER_NODE
         self._sizes: dict[str, _SiteSize] = {}
         self._turn = 0  # rotates the sampled arrays of each site
+        self._walked: dict[tuple, tuple[float, float, int]] = {}  # (root, path) -> (retained, nodes, step)
 
     @property
     def max_nodes(self) -> int:
@@ -94,17 +98,36 @@ class Sampler:
 
     def read(self, found: Sequence[Found], step: int) -> Reading:
         started = time.perf_counter()
+        limit = self.max_nodes
         predicted = self.predicted_nodes(step)
-        if predicted is None or predicted <= self.max_nodes:
+        if predicted is None:
+            predicted = self._probe(found, step)
+        if predicted is None or predicted <= limit:
             reading = self._read_all(found, predicted)
         else:
-            reading = self._read_sample(found, step, predicted)
+            reading = self._read_sample(found, step, predicted, limit)
         reading.seconds = time.perf_counter() - started
         self._learn(reading, step)
         return reading
 
+    def _probe(self, found: Sequence[Found], step: int) -> Optional[float]:
+        """Nothing read yet (a watchdog attached to caches that may already hold deep chains):
+        walk one pending array per site first, and predict the rest from it. None: none pending."""
+        by_site: dict[str, list[int]] = {}
+        for i, f in enumerate(found):
+            if not is_evaluated(f.array):
+                by_site.setdefault(f.site, []).append(i)
+        if not by_site:
+            return None
+        firsts = [indices[0] for indices in by_site.values()]
+        graph = account([found[i].array for i in firsts])
+        for (site, indices), nodes, retained in zip(by_site.items(), graph.nodes_by_array, graph.retained_by_array):
+            self._sizes[site] = _SiteSize(float(nodes), float(retained), step, 0.0, 0.0, len(indices))
+        return self.predicted_nodes(step)
+
     def forget(self) -> None:
         self._sizes.clear()
+        self._walked.clear()
 
     # ------------------------------------------------------------------ readings
 
@@ -113,13 +136,13 @@ class Sampler:
         return Reading(list(found), graph.evaluated_by_array, [float(r) for r in graph.retained_by_array],
                        [float(n) for n in graph.nodes_by_array], graph.pending_arrays, 0.0)
 
-    def _read_sample(self, found: Sequence[Found], step: int, predicted: float) -> Reading:
+    def _read_sample(self, found: Sequence[Found], step: int, predicted: float, limit: int) -> Reading:
         evaluated = [is_evaluated(f.array) for f in found]
         by_site: dict[str, list[int]] = {}
         for i, done in enumerate(evaluated):
             if not done:
                 by_site.setdefault(found[i].site, []).append(i)
-        share = self.max_nodes / predicted  # of each site's pending arrays, this many walk
+        share = limit / predicted  # of each site's pending arrays, this many walk
         self._turn += 1
         chosen: list[int] = []
         for site, indices in by_site.items():
@@ -144,18 +167,41 @@ class Sampler:
             nodes[i] = float(graph.nodes_by_array[position])
         for site, indices in by_site.items():
             walked = [i for i in indices if i in walked_set]
+            size = self._sizes.get(site)
             if walked:
                 mean_retained = sum(retained[i] for i in walked) / len(walked)
                 mean_nodes = sum(nodes[i] for i in walked) / len(walked)
+                grown = [self._growth(found[i], retained[i], nodes[i], step) for i in walked]
+                grown = [g for g in grown if g is not None]
+                growth = (sum(g[0] for g in grown) / len(grown), sum(g[1] for g in grown) / len(grown)) \
+                    if grown else None
             else:  # nothing of it could be walked: its last size, grown as it was growing
-                size = self._sizes.get(site)
                 mean_nodes, mean_retained = (0.0, 0.0) if size is None else size.at(step)
+                growth = None if size is None else (size.retained_growth, size.nodes_growth)
             for i in indices:
-                if i not in walked_set:
+                if i in walked_set:
+                    continue
+                last = self._walked.get((found[i].root, found[i].path))
+                if last is not None and growth is not None:
+                    ahead = step - last[2]
+                    retained[i], nodes[i] = last[0] + growth[0] * ahead, last[1] + growth[1] * ahead
+                else:
                     retained[i], nodes[i] = mean_retained, mean_nodes
-        return Reading(list(found), evaluated, retained, nodes, len(walked_set), 0.0)
+        return Reading(list(found), evaluated, retained, nodes, len(walked_set), 0.0, walked_set)
+
+    def _growth(self, f: Found, retained: float, nodes: float, step: int) -> Optional[tuple[float, float]]:
+        last = self._walked.get((f.root, f.path))
+        if last is None or step <= last[2]:
+            return None
+        return (retained - last[0]) / (step - last[2]), (nodes - last[1]) / (step - last[2])
 
     def _learn(self, reading: Reading, step: int) -> None:
+        walked = reading.walked_indices
+        if walked is None:
+            self._walked = {}
+        for i, (f, done) in enumerate(zip(reading.found, reading.evaluated)):
+            if not done and (walked is None or i in walked):
+                self._walked[(f.root, f.path)] = (reading.retained[i], reading.nodes[i], step)
         per_site: dict[str, list[tuple[float, float]]] = {}
         for f, done, n, r in zip(reading.found, reading.evaluated, reading.nodes, reading.retained):
             if not done:

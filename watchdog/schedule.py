@@ -34,9 +34,14 @@ class Schedule:
         self._last_walk_decode = 0.0
         self._gap = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
 
-    def new_epoch(self, step: int) -> None:
+    def new_epoch(self, step: int, continuing: bool = False) -> None:
+        """A new epoch at ``step``. One whose caches partly go on (a request joined a busy batch)
+        keeps the growth measured so far: it needs one reading of its new level, not the
+        dense ones of a new decode (a busy server has two such epochs per request)."""
         self._epoch_start = step
-        self._dense = 0
+        self._dense = len(DENSE_OFFSETS) - 1 if continuing else 0
+        if continuing:  # its first step, whatever the offset
+            self._epoch_start = step - DENSE_OFFSETS[-1]
 
     def due(self, step: int) -> bool:
         """Is a walk due at ``step``, and does it fit the budget? (Every step: kept cheap.)"""
