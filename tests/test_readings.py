@@ -302,3 +302,24 @@ def test_a_pause_in_the_steps_reads_idle_and_the_next_steps_are_measured_afresh(
     f = wd.forecast()
     assert f.decoding and not f.rate_known
     assert math.isnan(exported(wd)[("mlx_watchdog_buffers_per_step", None)])
+
+
+# --------------------------------------------------------------------------- fix mode
+
+def test_fix_mode_reports_the_post_fix_rate_from_the_first_fix_on():
+    cache = Chain()
+    wd = Watchdog(limit=10**6, export=False, fix=True, fix_every=4)
+    rates = []
+    for _ in range(200):
+        fixed_before = wd.materialized_arrays
+        wd.observe(cache)
+        if fixed_before == 0 and wd.materialized_arrays > 0:  # the first fix just ran
+            rates.append(wd.forecast().buffers_per_step)
+        elif rates:
+            rates.append(wd.forecast().buffers_per_step)
+        cache.step()
+    truth = graph.account([cache.value])
+    assert truth.retained_buffers <= 5  # the fix keeps the chain cut (at most fix_every steps of it)
+    assert rates and max(rates) < 0.01, rates[:10]  # post-fix, from the very first fix
+    leak = wd.forecast().leaks[0]
+    assert leak.cut and leak.buffers_per_step == pytest.approx(1)  # what it cuts, named
