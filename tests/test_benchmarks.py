@@ -50,3 +50,12 @@ def test_walk_and_fix_cost_runs(capsys):
     assert walk_and_fix_cost.main(["--layers", "4", "--vocab", "512", "--depth", "4", "--repeats", "1"]) == 0
     text = capsys.readouterr().out
     assert "fix, chains 4 deep, in flight" in text and "walk: account(), synced" in text
+
+
+import observe_stall  # noqa: E402
+
+
+def test_observe_stall_benchmark_runs(capsys):
+    assert observe_stall.main(["--smoke"]) == 0
+    text = capsys.readouterr().out
+    assert "crash scale (stall)" in text and "(= exact)" in text

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
+from mlx_watchdog import actions
+from mlx_watchdog import fix as fix_module
 from mlx_watchdog import Forecast, ResourceLimitForecast, Watchdog, core, find_arrays, tiny
 from mlx_watchdog.attach import unwatch_model, watch_model
 from mlx_watchdog.graph import account, is_evaluated
@@ -194,7 +196,7 @@ def test_a_chain_the_model_drains_itself_is_no_leak_in_fix_mode(watching):
         f = wd.forecast()
         assert wd.walks > 150
         assert f.leaks == () and f.buffers_per_step < 0.01, (fix, f.describe())
-    growth = wd._sites["LayerCache.pending_kv"].growth
+    growth = wd._growth.sites["LayerCache.pending_kv"].growth
     assert max(growth) > 0 > min(growth)  # the probes saw it grow and drain
 
 
@@ -240,11 +242,11 @@ def test_the_fix_cuts_growing_sites_and_leaves_bounded_ones_to_the_model(watchin
 
     def on_step(step, gen):
         if step == 30:  # probed by now
-            assert wd._growing_sites == {LEAK_SITE}
+            assert wd._growth.growing == {LEAK_SITE}
             monkeypatch.setattr(core, "mx", MxProxy(async_eval=recording_async_eval))
 
     watching(m, wd)
-    batched_decode(m, PROMPTS, 30 + 3 * core.FULL_SWEEP_FIXES, on_step=on_step)
+    batched_decode(m, PROMPTS, 30 + 3 * fix_module.FULL_SWEEP_FIXES, on_step=on_step)
     linear_layers = LEAK_LAYERS - LEAK_LAYERS // 4
     assert scheduled and min(scheduled) == linear_layers  # the left_padding arrays only
     assert max(scheduled) > linear_layers  # the sweeps: everything pending
@@ -344,7 +346,7 @@ def test_warn_within_logs_once_a_minute_naming_the_top_site(watching, caplog, mo
     assert len(warnings()) == 1
     # A minute later it warns again.
     later = time.monotonic() + 61
-    monkeypatch.setattr(core, "time", Proxy(time, monotonic=lambda: later))
+    monkeypatch.setattr(actions, "time", Proxy(time, monotonic=lambda: later))
     batched_decode(m, PROMPTS, 5)
     assert len(warnings()) == 2
 
@@ -564,7 +566,7 @@ def test_fix_every_n_steps(every, monkeypatch):
         longest = max(longest, account([cache.x]).pending_nodes)
     gaps = {b - a for a, b in zip(fixed_at, fixed_at[1:])}
     # Never more often than every N steps; a walk's probe may delay a fix by up to 3 steps.
-    probe = max(core.PROBE_STEPS)
+    probe = max(fix_module.PROBE_STEPS)
     assert gaps and gaps <= set(range(every, every + probe + 1)), gaps
     assert steps / (every + probe) - 1 <= len(fixed_at) <= steps / every + 1
     assert longest <= every + probe + 1  # the chain is cut at least every N+3 steps

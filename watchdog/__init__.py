@@ -7,7 +7,9 @@
     print(wd.forecast().describe())
 """
 
-from .core import ResourceLimitForecast, Watchdog, live_watchdogs, materialize
+from .actions import ResourceLimitForecast
+from .core import Watchdog, live_watchdogs
+from .fix import materialize
 from .forecast import Forecast, Leak
 from .introspect import find_arrays
 

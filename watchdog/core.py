@@ -15,9 +15,9 @@ readings the forecast extrapolates.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
-import statistics
 import threading
 import time
 import weakref
@@ -27,8 +27,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import forecast as fc
-from .graph import is_evaluated
-from .introspect import MAX_DEPTH, MAX_OBJECTS, resolve, scan, scan_all
+from .actions import ResourceLimitForecast, Warnings, remedy
+from .fix import Fixer, evaluated_output, materialize, resolvable
+from .growth import SAMPLE_WINDOW, Growth
+from .introspect import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
 from .options import checked_fraction, checked_positive_int, checked_steps, checked_walk_interval
 from .sampling import Sampler, warm_up
@@ -44,12 +46,7 @@ logger = logging.getLogger("mlx_watchdog")
 
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
 IDLE_SECONDS = 3.0  # no step for this long (or 8 typical steps, if longer) is idle: nothing grows
-SAMPLE_WINDOW = 64  # walks kept for the growth-rate fit
-WARN_INTERVAL_SECONDS = 60.0
-LEAK_THRESHOLD = 1e-3  # buffers/step below which a site is not reported as leaking
 MAX_PATHS_PER_SITE = 16
-PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
-FULL_SWEEP_FIXES = 16  # between walks, every 16th fix re-reads every cache array, not only the pending ones
 
 _live: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -61,56 +58,14 @@ def live_watchdogs() -> list["Watchdog"]:
         return [wd for wd in list(_live) if wd.export]
 
 
-class ResourceLimitForecast(RuntimeError):
-    """Raised from an observed step when the forecast puts the buffer limit within ``stop_within``
-    steps: the generation ends cleanly while the process and the device are still healthy."""
-
-    def __init__(self, forecast: fc.Forecast, reason: str = "forecast"):
-        self.forecast = forecast
-        self.reason = reason
-        super().__init__(
-            f"mlx-watchdog stopped the generation ({reason}): the Metal resource limit of "
-            f"{forecast.limit} buffers is forecast within {forecast.steps_to_limit:.0f} steps. "
-            f"{forecast.describe()}"
-        )
-
-
-def materialize(obj: Any) -> int:
-    """Schedule evaluation (``mx.async_eval``) of every pending array reachable from ``obj``.
-
-    Returns how many arrays were scheduled. Evaluated arrays are left alone. MLX detaches the
-    scheduled graph synchronously, so the chains are cut at once; the device work runs later."""
-    pending = [f.array for f in scan(obj).found if not is_evaluated(f.array)]
-    if pending:
-        mx.async_eval(pending)
-    return len(pending)
-
-
-class _SiteSeries:
-    """Measurements of one site across walks."""
-
-    def __init__(self) -> None:
-        self.total = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, held + retained)
-        # (step, arrays at the site, evaluated or not): more buffers held in evaluated arrays can
-        # only come from more arrays, while a lazy chain grows behind a fixed number of them. So
-        # its slope is the part of a site's growth the fix cannot cut.
-        self.arrays = collections.deque(maxlen=SAMPLE_WINDOW)
-        self.growth = collections.deque(maxlen=16)  # buffers/step seen by fix-mode probes (signed)
-        self.paths: tuple[str, ...] = ()
-        self.buffers = 0
-        self.retained = 0
-
-    def probed_rate(self) -> Optional[float]:
-        """What the fix cuts at this site per step, from the probes; None before the first probe.
-
-        A leak only grows while the fix waits; a chain the program drains itself (a
-        compressed-attention cache's pending rows) is sometimes seen shrinking: that one is no
-        leak, however fast it grows between its drains."""
-        if not self.growth:
-            return None
-        if min(self.growth) < 0:
-            return 0.0
-        return statistics.median(self.growth)
+@dataclasses.dataclass(frozen=True)
+class _LastReading:
+    step: int = 0
+    resident: float = 0.0
+    cache_buffers: int = 0
+    retained: int = 0
+    pending_nodes: int = 0
+    sampled: bool = False
 
 
 class Watchdog:
@@ -123,14 +78,14 @@ class Watchdog:
         name: the ``watchdog`` label of exported metrics (default: set from the model, else "default").
         fix: materialize pending cache arrays (``mx.async_eval``: cuts lazy chains, no wait on
             the device): those of the sites seen growing, and every pending one each
-            ``FULL_SWEEP_FIXES``-th fix and before a stop.
+            ``fix.FULL_SWEEP_FIXES``-th fix and before a stop (``fix.py``).
         fix_every: run the fix every N observed steps.
         warn_within: log a warning when the limit is forecast within this many steps (at most once a minute).
         stop_within: raise :class:`ResourceLimitForecast` when the limit is forecast within this many steps.
         on_forecast: called with each new :class:`Forecast` (after each graph walk).
         overhead_budget: ceiling on the fraction of decode wall time the watchdog may spend (default 1%).
-        walk_interval: seconds of decode between two graph walks once a decode's first
-            ``DENSE_WALKS`` walks are done. ``None`` (default): 0.5 s, or longer where one walk
+        walk_interval: seconds of decode between two graph walks once an epoch's dense walks are
+            done (``schedule.py``). ``None`` (default): 0.5 s, or longer where one walk
             costs more than 0.5 ms, so that walks take 0.1% of decode time. 0: walk whenever the
             budget allows.
         export: publish this watchdog through the exporters (``start_metrics_server``).
@@ -167,7 +122,6 @@ class Watchdog:
         self.name = name or "default"
         self.name_is_default = name is None
         self.fix = bool(fix)
-        self.fix_every = fix_every
         self.warn_within = warn_within
         self.stop_within = stop_within
         self.on_forecast = on_forecast
@@ -205,14 +159,11 @@ class Watchdog:
         self._epoch_members: tuple = ()  # weak references to the caches of the current epoch
         self._root_ids: Optional[tuple] = None  # identity of the last roots: skips the scope on the same caches
         self._anchor_ref: Optional[weakref.ref] = None  # their first cache: dead, the ids may be reused
-        self._paths: Optional[list[tuple]] = None
-        self._pending_paths: Optional[list[tuple]] = None
-        self._fixes = 0
-        self._probes = 0
-        self._last_fix_step = 0
-        self._fixed_once = False
-        self._last_warn = -math.inf
+        self._fixer = Fixer(fix_every, max_objects, max_depth)
+        self._warnings = Warnings()
         self._warned: set[str] = set()
+        self._last = _LastReading()  # between readings the forecast extrapolates from it
+        self._empty_walks = 0
         self._reset_series()
         if model is not None:
             self.count_parameters(model)
@@ -237,6 +188,14 @@ class Watchdog:
         self._schedule.overhead_budget = checked_fraction(value, "overhead_budget")
 
     @property
+    def fix_every(self) -> int:
+        return self._fixer.every
+
+    @fix_every.setter
+    def fix_every(self, value: int) -> None:
+        self._fixer.every = checked_positive_int(value, "fix_every")
+
+    @property
     def walk_interval(self) -> Optional[float]:
         return self._schedule.walk_interval
 
@@ -251,7 +210,7 @@ class Watchdog:
             arrays = {id(a): a for _, a in tree_flatten(params) if isinstance(a, mx.array)}
             self._parameter_buffers = len(arrays)
             if self.walks == 0:  # nothing read yet: the parameters are what is known to be resident
-                self._measured_resident = float(self._parameter_buffers)
+                self._last = _LastReading(resident=float(self._parameter_buffers))
         except Exception as exc:
             self._internal_error("count_parameters", exc)
         return self._parameter_buffers
@@ -289,7 +248,8 @@ class Watchdog:
         """The current forecast (thread-safe; cheap: no graph walk)."""
         with self._lock:
             step = self.steps
-            rate = self._rate
+            growth, last = self._growth, self._last
+            rate = growth.rate
             resident = self._resident_now(step)
             stl = fc.steps_to_limit(resident, self.limit, rate)
             decoding = self.decoding()
@@ -301,21 +261,21 @@ class Watchdog:
                 buffers_per_step=max(0.0, rate),
                 steps_to_limit=stl,
                 seconds_to_limit=fc.seconds_from_steps(stl, step_rate),
-                leaks=self._leaks,
+                leaks=growth.leaks,
                 step_rate=step_rate,
                 source=EXACT_COUNTER_NAME or "estimate",
                 parameter_buffers=self._parameter_buffers,
-                cache_buffers=self._cache_buffers,
-                retained_buffers=self._retained,
-                pending_graph_nodes=self._pending_nodes,
-                measured_step=self._measured_step,
+                cache_buffers=last.cache_buffers,
+                retained_buffers=last.retained,
+                pending_graph_nodes=last.pending_nodes,
+                measured_step=last.step,
                 prefill_graph_nodes=self.prefill_graph_nodes,
                 max_safe_prefill_tokens=self.max_safe_prefill_tokens,
                 rank=self.rank,
                 world_size=self.world_size,
-                rate_known=self._rate_known,
+                rate_known=growth.known,
                 decoding=decoding,
-                sampled=self._sampled,
+                sampled=last.sampled,
             )
 
     def decoding(self) -> bool:
@@ -369,23 +329,18 @@ class Watchdog:
         if self._scope.version != self._epoch_version:
             self._new_epoch(step)
 
-        # In fix mode a walk starts a probe: the fix waits 1-3 steps, a second walk sees what those
-        # steps add to each site (the growth the fix cuts), then the fix runs. The probe's length
-        # varies so that its steps do not keep the same phase as a chain the program drains
-        # every few steps (seen: probes of one step every other step never saw the drain).
+        # In fix mode a walk starts a probe (fix.py), a second one 1-3 steps later ends it.
         walked_pending = None
-        if self._probe is not None:
-            if step >= self._probe[2]:
-                probe, self._probe = self._probe, None
+        fixer = self._fixer
+        if fixer.probe is not None:
+            probe = fixer.end_probe(step)
+            if probe is not None:
                 walked_pending = self._walk(roots, step, probe_start=probe)
         elif schedule.due(step):
             walked_pending = self._walk(roots, step)
             if self.fix:
-                self._probes += 1
-                length = PROBE_STEPS[self._probes % len(PROBE_STEPS)]
-                self._probe = (step, {site: s.buffers for site, s in self._sites.items()}, step + length)
-        if (self.fix and self._probe is None and step - self._last_fix_step >= self.fix_every
-                and _evaluated_output(last_output)):
+                fixer.start_probe(step, self._growth.site_buffers())
+        if self.fix and fixer.due(step, last_output):
             self._fix(roots, walked_pending, step)
         if self.stop_within is not None or self.warn_within is not None or self.coordinator is not None:
             self._act(roots, last_output, step)
@@ -401,7 +356,7 @@ class Watchdog:
             return False
         self._scope.follow(roots)
         self._root_ids = ids
-        self._paths = self._pending_paths = None
+        self._fixer.paths = self._fixer.pending_paths = None
         try:  # arrays are rebound every step, and some objects take no weak reference
             self._anchor_ref = None if isinstance(anchor, mx.array) else weakref.ref(anchor)
         except TypeError:
@@ -412,7 +367,7 @@ class Watchdog:
         """Another set of live caches from here on: readings before and after are no growth line.
         While some caches go on (a request joined a busy batch), the growth measured so far still
         holds; when none does, this is a new decode, measured afresh."""
-        continuing = self._rate_known and any(ref() is not None for ref in self._epoch_members)
+        continuing = self._growth.known and any(ref() is not None for ref in self._epoch_members)
         if self._epoch_members and not continuing:
             self.reset()
         self._epoch += 1
@@ -433,6 +388,7 @@ class Watchdog:
         others = self._scope.others()
         result = scan_all([(roots, "")] + [(c, f"<{type(c).__name__}#{k}>") for k, c in enumerate(others)],
                           max_objects=self.max_objects, max_depth=self.max_depth)
+        root_keys = [0] + [id(c) for c in others]  # ids name the other caches while they live
         del others
         self._empty_walks = 0 if result.found else self._empty_walks + 1
         if self._empty_walks == 3:  # a fresh cache is empty on its first step; three in a row is not
@@ -440,11 +396,11 @@ class Watchdog:
         if result.truncated:
             self._warn_once("cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut)
         found = result.found
-        self._paths = [f.steps for f in found if f.root == 0 and _resolvable(f.steps)]
-        reading = self._sampler.read(found, step)
+        self._fixer.paths = [f.steps for f in found if f.root == 0 and resolvable(f.steps)]
+        reading = self._sampler.read(found, step, root_keys)
         pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
-        # Between walks the fix re-reads only where pending arrays were seen (see _fix).
-        self._pending_paths = [(f.site, f.steps) for f in pending if _resolvable(f.steps)]
+        # Between walks the fix re-reads only where pending arrays were seen (fix.py).
+        self._fixer.pending_paths = [(f.site, f.steps) for f in pending if resolvable(f.steps)]
 
         sites: dict[str, list] = {}
         for f, done, retained in zip(found, reading.evaluated, reading.retained):
@@ -463,37 +419,18 @@ class Watchdog:
             resident = float(EXACT_COUNTER())
         else:
             resident = self._parameter_buffers + cache_buffers + retained_buffers
-        epoch = self._epoch
+        sample = None
+        if found:  # an empty cache is no sample of growth
+            sample = resident
+            if self.fix and self._fixer.fixed_once and EXACT_COUNTER is None:
+                # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
+                # rate): the growth to forecast is what it leaves behind.
+                sample = resident - retained_buffers + reading.pending_arrays
         with self._lock:
-            for site, (held, retained, paths, arrays) in sites.items():
-                series = self._sites.get(site) or self._sites.setdefault(site, _SiteSeries())
-                series.arrays.append((step, arrays, epoch))
-                if probe_start is not None:
-                    start_step, start_buffers, _ = probe_start
-                    before = start_buffers.get(site, 0)
-                    series.growth.append((held + retained - before) / max(1, step - start_step))
-                else:
-                    series.total.append((step, held + retained, epoch))
-                series.buffers, series.retained = held + retained, retained
-                if paths:
-                    series.paths = tuple(paths)
-            if probe_start is None and found:  # an empty cache is no sample of growth
-                sample = resident
-                if self.fix and self._fixed_once and EXACT_COUNTER is None:
-                    # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
-                    # rate): the growth to forecast is what it leaves behind.
-                    sample = resident - retained_buffers + reading.pending_arrays
-                self._samples.append((step, sample, epoch))
-                rate = fc.epoch_slope(self._samples)
-                if rate is not None:
-                    self._rate, self._rate_known = rate, True
-            self._update_leaks()
-            self._measured_step = step
-            self._measured_resident = resident
-            self._cache_buffers = cache_buffers
-            self._retained = int(round(retained_buffers))
-            self._pending_nodes = int(round(reading.pending_nodes))
-            self._sampled = reading.sampled
+            self._growth.record(step, self._epoch, sites, sample, probe_start)
+            self._growth.update_leaks(fixing=self.fix and self._fixer.fixed_once)
+            self._last = _LastReading(step, resident, cache_buffers, int(round(retained_buffers)),
+                                      int(round(reading.pending_nodes)), reading.sampled)
             self.walks += 1
         cost = time.perf_counter() - t0
         self._schedule.walked(step, cost)
@@ -506,26 +443,10 @@ class Watchdog:
 
     def _fix(self, roots: Any, walked_pending: Optional[list[tuple[str, mx.array]]], step: int,
              sweep: bool = False) -> None:
-        # Once the probes have measured the sites, the fix cuts the pending arrays of the sites
-        # that grow; a pending array that does not grow (a counter the next forward evaluates,
-        # rows the model drains itself) is work the program does anyway, and evaluating it early
-        # costs ~10 us an array on a GPU. Between walks it re-reads only the paths the last walk
-        # saw pending and schedules them unchecked: telling a pending array costs ~5 us (MLX
-        # raises), scheduling an evaluated one ~0.1 us. Every FULL_SWEEP_FIXES-th fix sweeps
-        # every path and every pending array, so a site that starts leaking after the last walk
-        # is cut within that many fixes.
-        self._fixes += 1
+        fixer = self._fixer
         fix_started = time.perf_counter()
-        growing = self._growing_sites  # None: not probed yet, every pending site is cut
-        sweep = sweep or self._fixes % FULL_SWEEP_FIXES == 0
-        if walked_pending is not None and not sweep:
-            pending = [a for site, a in walked_pending if growing is None or site in growing]
-        elif self._pending_paths is not None and not sweep:
-            pending = self._resolve_arrays(
-                roots, [steps for site, steps in self._pending_paths if growing is None or site in growing])
-        else:
-            pending = [a for a in self._resolve_arrays(roots) if not is_evaluated(a)]
         try:
+            pending = fixer.pending(roots, walked_pending, self._growth.growing, sweep)
             if pending:
                 mx.async_eval(pending)
         except Exception as exc:  # counted and logged; the decode goes on
@@ -537,41 +458,21 @@ class Watchdog:
             # leave the metrics stale. It still counts in overhead_seconds.
             self._schedule.spent -= time.perf_counter() - fix_started
         with self._lock:
+            growth = self._growth
             # What the cut chains would have kept: the growth the probes measured, per step.
-            per_step = self._probed_growth if self._probed_growth is not None else max(0.0, self._rate)
+            per_step = growth.probed if growth.probed is not None else max(0.0, growth.rate)
             self.materialized_arrays += len(pending)
             if pending:
-                self.reclaimed_buffers += per_step * (step - self._last_fix_step)
-            self._last_fix_step = step
-            if not self._fixed_once:
-                self._fixed_once = True
-                # The readings so far counted what the fix now cuts: from here on the growth is
-                # what it leaves, known at once from the probes (total less what they saw it cut).
-                self._samples.clear()
-                if self._probed_growth is not None:
-                    self._rate = max(0.0, self._rate - self._probed_growth)
-                self._update_leaks()
-
-    def _resolve_arrays(self, roots: Any, paths: Optional[list[tuple]] = None) -> list[mx.array]:
-        """The arrays at the paths found by the last walk, re-read without a walk."""
-        if paths is None:
-            if self._paths is None:
-                result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
-                self._paths = [f.steps for f in result.found if _resolvable(f.steps)]
-            paths = self._paths
-        arrays = []
-        for steps in paths:
-            try:
-                value = resolve(roots, steps)
-            except Exception:  # the structure changed: the next walk will see the new one
-                continue
-            if isinstance(value, mx.array):
-                arrays.append(value)
-        return arrays
+                self.reclaimed_buffers += per_step * (step - fixer.last_step)
+            fixer.last_step = step
+            if not fixer.fixed_once:
+                fixer.fixed_once = True
+                growth.fixed()
+                growth.update_leaks(fixing=True)
 
     def _act(self, roots: Any, last_output: Any, step: int) -> None:
         with self._lock:  # cheap arithmetic; the full Forecast only when a threshold is crossed
-            stl = fc.steps_to_limit(self._resident_now(step), self.limit, self._rate)
+            stl = fc.steps_to_limit(self._resident_now(step), self.limit, self._growth.rate)
         if self.coordinator is not None:
             stl = self.coordinator.worst(step, stl)
         near = (self.stop_within is not None and stl <= self.stop_within) or (
@@ -580,9 +481,9 @@ class Watchdog:
             return
         forecast = self.forecast()
         if self.stop_within is not None and stl <= self.stop_within:
-            if self.fix and _evaluated_output(last_output):
+            if self.fix and evaluated_output(last_output):
                 # Try the fix first: materialize everything now and measure again.
-                self._probe = None
+                self._fixer.probe = None
                 self._fix(roots, None, step, sweep=True)
                 self._walk(roots, step)
                 forecast = self.forecast()
@@ -593,75 +494,22 @@ class Watchdog:
                 self.record_stop("forecast")
                 logger.error("mlx-watchdog: stopping the generation: %s", forecast.describe())
                 raise ResourceLimitForecast(forecast)
-        if self.warn_within is not None and stl <= self.warn_within:
-            now = time.monotonic()
-            if now - self._last_warn >= WARN_INTERVAL_SECONDS:
-                self._last_warn = now
-                if not self.fix:
-                    remedy = "fix: Watchdog(fix=True) or `mlx-watchdog serve --fix`"
-                elif not self._fixed_once:
-                    remedy = "the fix is on and has not run yet"
-                else:
-                    remedy = "the fix is on; this growth is not one it cuts"
-                logger.warning("mlx-watchdog: resource limit forecast: %s (%s)", forecast.describe(), remedy)
+        if self.warn_within is not None and stl <= self.warn_within and self._warnings.due():
+            logger.warning("mlx-watchdog: resource limit forecast: %s (%s)", forecast.describe(),
+                           remedy(self.fix, self._fixer.fixed_once))
 
     # ----------------------------------------------------------------- helpers
 
     def _reset_series(self) -> None:
         """Forget the growth measured so far. The last reading of what is resident stays: those
         buffers are still held (a finished request's chains until its caches die)."""
-        self._samples: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, buffers, epoch)
-        self._sites: dict[str, _SiteSeries] = {}
-        self._leaks: tuple[fc.Leak, ...] = ()
-        self._probed_growth: Optional[float] = None
-        self._growing_sites: Optional[set[str]] = None
-        self._rate = 0.0
-        self._rate_known = False
-        if not hasattr(self, "_measured_step"):
-            self._measured_step = self.steps
-            self._measured_resident = float(self._parameter_buffers)
-            self._cache_buffers = 0
-            self._retained = 0
-            self._pending_nodes = 0
-            self._sampled = False
-        self._measured_step = self.steps  # nothing is extrapolated past it until measured again
-        self._fixed_once = False
-        self._last_fix_step = self.steps
-        self._probe: Optional[tuple] = None
+        self._growth = Growth()
+        self._last = dataclasses.replace(self._last, step=self.steps)  # nothing is extrapolated past it
+        self._fixer.reset(self.steps)
         self._empty_walks = 0
 
-    def _update_leaks(self) -> None:
-        """Per-site rates, computed once per walk (not per step or per scrape). Holds the lock."""
-        fixing = self.fix and self._fixed_once
-        leaks, probed, growing = [], [], set()
-        for site, series in self._sites.items():
-            site_probed = series.probed_rate()
-            grows = site_probed is not None and site_probed > LEAK_THRESHOLD
-            if site_probed is not None:
-                probed.append(site_probed)
-                if grows:
-                    growing.add(site)
-            if fixing and site_probed is not None:
-                # The fix cuts the chains, so the series stays flat; the probes saw the growth it cuts.
-                site_rate = site_probed
-            else:
-                site_rate = fc.epoch_slope(series.total) or 0.0
-            if fixing and grows and series.retained > 0:
-                # The fix schedules this site's pending arrays: it cuts their chains, not the
-                # growth in the number of arrays (that part stays a leak).
-                uncut = min(site_rate, max(0.0, fc.epoch_slope(series.arrays) or 0.0))
-                for rate, cut in ((site_rate - uncut, True), (uncut, False)):
-                    if rate > LEAK_THRESHOLD:
-                        leaks.append(fc.Leak(site, series.paths, rate, series.buffers, cut=cut))
-            elif site_rate > LEAK_THRESHOLD:
-                leaks.append(fc.Leak(site, series.paths, site_rate, series.buffers))
-        leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
-        self._leaks = tuple(leaks)
-        self._probed_growth = sum(probed) if probed else None
-        self._growing_sites = growing if probed else None  # None: not probed yet, the fix cuts all
-
     def _resident_now(self, step: int) -> float:
-        return self._measured_resident + max(0.0, self._rate) * (step - self._measured_step)
+        return self._last.resident + max(0.0, self._growth.rate) * (step - self._last.step)
 
     def _step_rate(self) -> float:
         if len(self._step_times) < 2:
@@ -684,21 +532,3 @@ class Watchdog:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message, *args)
-
-
-def _evaluated_output(output: Any) -> bool:
-    """Has the program evaluated or scheduled its last output? (True when unknown.)"""
-    if output is None:
-        return True
-    if isinstance(output, mx.array):
-        return is_evaluated(output)
-    if isinstance(output, (list, tuple)):
-        for item in output:
-            if isinstance(item, mx.array):
-                return is_evaluated(item)
-    return True
-
-
-def _resolvable(steps: tuple) -> bool:
-    """Can ``resolve`` find this path again? (Not through a set: sets have no order to follow.)"""
-    return all(kind != "set" for kind, _ in steps)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from . import graph
 from .graph import TooDeep, account, deep_walker, is_evaluated
@@ -84,7 +84,8 @@ class Sampler:
         self.seconds_per_node = INITIAL_SECONDS_PER_NODE
         self._sizes: dict[str, _SiteSize] = {}
         self._turn = 0  # rotates the sampled arrays of each site
-        self._walked: dict[tuple, tuple[float, float, int]] = {}  # (root, path) -> (retained, nodes, step)
+        self._walked: dict[tuple, tuple[float, float, int]] = {}  # key -> (retained, nodes, step) of its last walk
+        self._root_keys: list = []
 
     @property
     def max_nodes(self) -> int:
@@ -96,8 +97,10 @@ class Sampler:
             return None
         return sum(s.pending * s.at(step)[0] for s in self._sizes.values())
 
-    def read(self, found: Sequence[Found], step: int) -> Reading:
+    def read(self, found: Sequence[Found], step: int, root_keys: Sequence[Any] = ()) -> Reading:
+        """``root_keys[f.root]`` names each root while it lives (an array's path is relative to it)."""
         started = time.perf_counter()
+        self._root_keys = list(root_keys)
         limit = self.max_nodes
         predicted = self.predicted_nodes(step)
         if predicted is None:
@@ -138,13 +141,16 @@ class Sampler:
 
     def _read_sample(self, found: Sequence[Found], step: int, predicted: float, limit: int) -> Reading:
         evaluated = [is_evaluated(f.array) for f in found]
-        by_site: dict[str, list[int]] = {}
+        by_site: dict[str, list[int]] = {}  # pending arrays walked before, per site
+        chosen: list[int] = []  # pending arrays never walked are walked now: nothing else tells their size
         for i, done in enumerate(evaluated):
             if not done:
-                by_site.setdefault(found[i].site, []).append(i)
+                if self._key(found[i]) in self._walked:
+                    by_site.setdefault(found[i].site, []).append(i)
+                else:
+                    chosen.append(i)
         share = limit / predicted  # of each site's pending arrays, this many walk
         self._turn += 1
-        chosen: list[int] = []
         for site, indices in by_site.items():
             k = min(len(indices), max(1, int(len(indices) * share)))
             start = (self._turn * k) % len(indices)
@@ -166,42 +172,44 @@ class Sampler:
             retained[i] = float(graph.retained_by_array[position])
             nodes[i] = float(graph.nodes_by_array[position])
         for site, indices in by_site.items():
-            walked = [i for i in indices if i in walked_set]
-            size = self._sizes.get(site)
-            if walked:
-                mean_retained = sum(retained[i] for i in walked) / len(walked)
-                mean_nodes = sum(nodes[i] for i in walked) / len(walked)
-                grown = [self._growth(found[i], retained[i], nodes[i], step) for i in walked]
-                grown = [g for g in grown if g is not None]
-                growth = (sum(g[0] for g in grown) / len(grown), sum(g[1] for g in grown) / len(grown)) \
-                    if grown else None
-            else:  # nothing of it could be walked: its last size, grown as it was growing
-                mean_nodes, mean_retained = (0.0, 0.0) if size is None else size.at(step)
-                growth = None if size is None else (size.retained_growth, size.nodes_growth)
+            # How the walked ones of the site grew since their own last walks, per step.
+            grown = [g for g in (self._growth(found[i], retained[i], nodes[i], step)
+                                 for i in indices if i in walked_set) if g is not None]
+            if grown:
+                growth = (sum(g[0] for g in grown) / len(grown), sum(g[1] for g in grown) / len(grown))
+            else:
+                size = self._sizes.get(site)
+                growth = (0.0, 0.0) if size is None else (size.retained_growth, size.nodes_growth)
             for i in indices:
-                if i in walked_set:
-                    continue
-                last = self._walked.get((found[i].root, found[i].path))
-                if last is not None and growth is not None:
-                    ahead = step - last[2]
-                    retained[i], nodes[i] = last[0] + growth[0] * ahead, last[1] + growth[1] * ahead
-                else:
-                    retained[i], nodes[i] = mean_retained, mean_nodes
+                if i not in walked_set:  # its own last walk, grown as the walked ones grew
+                    last_retained, last_nodes, last_step = self._walked[self._key(found[i])]
+                    ahead = step - last_step
+                    retained[i] = max(0.0, last_retained + growth[0] * ahead)
+                    nodes[i] = max(0.0, last_nodes + growth[1] * ahead)
         return Reading(list(found), evaluated, retained, nodes, len(walked_set), 0.0, walked_set)
 
+    def _key(self, f: Found) -> tuple:
+        """An array's name across readings: its root (by identity, while it lives) and its path."""
+        return (self._root_keys[f.root] if f.root < len(self._root_keys) else f.root, f.path)
+
     def _growth(self, f: Found, retained: float, nodes: float, step: int) -> Optional[tuple[float, float]]:
-        last = self._walked.get((f.root, f.path))
+        last = self._walked.get(self._key(f))
         if last is None or step <= last[2]:
             return None
         return (retained - last[0]) / (step - last[2]), (nodes - last[1]) / (step - last[2])
 
     def _learn(self, reading: Reading, step: int) -> None:
         walked = reading.walked_indices
-        if walked is None:
-            self._walked = {}
+        history = {}  # only the arrays found now: the others' roots or paths are gone
         for i, (f, done) in enumerate(zip(reading.found, reading.evaluated)):
-            if not done and (walked is None or i in walked):
-                self._walked[(f.root, f.path)] = (reading.retained[i], reading.nodes[i], step)
+            if done:
+                continue
+            key = self._key(f)
+            if walked is None or i in walked:
+                history[key] = (reading.retained[i], reading.nodes[i], step)
+            elif key in self._walked:
+                history[key] = self._walked[key]
+        self._walked = history
         per_site: dict[str, list[tuple[float, float]]] = {}
         for f, done, n, r in zip(reading.found, reading.evaluated, reading.nodes, reading.retained):
             if not done:

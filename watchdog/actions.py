@@ -1,0 +1,47 @@
+"""Actions on a forecast: stop the generation before the limit, warn (at most once a minute)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from . import forecast as fc
+
+WARN_INTERVAL_SECONDS = 60.0
+
+
+class ResourceLimitForecast(RuntimeError):
+    """Raised from an observed step when the forecast puts the buffer limit within ``stop_within``
+    steps: the generation ends cleanly while the process and the device are still healthy."""
+
+    def __init__(self, forecast: fc.Forecast, reason: str = "forecast"):
+        self.forecast = forecast
+        self.reason = reason
+        super().__init__(
+            f"mlx-watchdog stopped the generation ({reason}): the Metal resource limit of "
+            f"{forecast.limit} buffers is forecast within {forecast.steps_to_limit:.0f} steps. "
+            f"{forecast.describe()}"
+        )
+
+
+class Warnings:
+    """At most one resource-limit warning a minute."""
+
+    def __init__(self) -> None:
+        self._last = -math.inf
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last >= WARN_INTERVAL_SECONDS:
+            self._last = now
+            return True
+        return False
+
+
+def remedy(fix: bool, fixed_once: bool) -> str:
+    """What to do about a forecast limit, given the fix's state."""
+    if not fix:
+        return "fix: Watchdog(fix=True) or `mlx-watchdog serve --fix`"
+    if not fixed_once:
+        return "the fix is on and has not run yet"
+    return "the fix is on; this growth is not one it cuts"

@@ -1,0 +1,122 @@
+"""The fix: schedule evaluation (``mx.async_eval``) of the pending cache arrays that leak.
+
+MLX detaches a scheduled graph at once, so the chains are cut when the call returns; the
+device work runs later, and the program waits on nothing it did not wait on before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from .graph import is_evaluated
+from .introspect import resolve, scan
+
+PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
+FULL_SWEEP_FIXES = 16  # between walks, every 16th fix re-reads every cache array, not only the pending ones
+
+
+def materialize(obj: Any) -> int:
+    """Schedule evaluation of every pending array reachable from ``obj``; how many were scheduled.
+
+    Evaluated arrays are left alone."""
+    pending = [f.array for f in scan(obj).found if not is_evaluated(f.array)]
+    if pending:
+        mx.async_eval(pending)
+    return len(pending)
+
+
+def evaluated_output(output: Any) -> bool:
+    """Has the program evaluated or scheduled its last output? (True when unknown.) The fix runs
+    only then, so the watchdog never computes what the program itself would not have."""
+    if output is None:
+        return True
+    if isinstance(output, mx.array):
+        return is_evaluated(output)
+    if isinstance(output, (list, tuple)):
+        for item in output:
+            if isinstance(item, mx.array):
+                return is_evaluated(item)
+    return True
+
+
+def resolvable(steps: tuple) -> bool:
+    """Can ``resolve`` find this path again? (Not through a set: sets have no order to follow.)"""
+    return all(kind != "set" for kind, _ in steps)
+
+
+class Fixer:
+    """When the fix runs and what it schedules.
+
+    In fix mode a walk starts a probe: the fix waits 1-3 steps, a second walk sees what those
+    steps add to each site (the growth the fix cuts), then the fix runs every ``every`` steps.
+    The probe's length varies so that its steps do not keep the phase of a chain the program
+    drains every few steps (seen: probes of one step every other step never saw the drain)."""
+
+    def __init__(self, every: int, max_objects: int, max_depth: int) -> None:
+        self.every = every
+        self.max_objects, self.max_depth = max_objects, max_depth
+        self.fixes = 0
+        self.probes = 0
+        self.probe: Optional[tuple] = None  # (step, buffers by site, step it ends)
+        self.last_step = 0
+        self.fixed_once = False
+        self.paths: Optional[list[tuple]] = None  # every array's access steps, from the last walk
+        self.pending_paths: Optional[list[tuple]] = None  # (site, steps) of its pending arrays
+
+    def reset(self, step: int) -> None:
+        self.probe = None
+        self.last_step = step
+        self.fixed_once = False
+
+    def start_probe(self, step: int, buffers_by_site: dict) -> None:
+        self.probes += 1
+        self.probe = (step, buffers_by_site, step + PROBE_STEPS[self.probes % len(PROBE_STEPS)])
+
+    def end_probe(self, step: int) -> Optional[tuple]:
+        """The probe that ends at ``step``, if one does."""
+        if self.probe is not None and step >= self.probe[2]:
+            probe, self.probe = self.probe, None
+            return probe
+        return None
+
+    def due(self, step: int, last_output: Any) -> bool:
+        return self.probe is None and step - self.last_step >= self.every and evaluated_output(last_output)
+
+    def pending(self, roots: Any, walked_pending: Optional[list], growing: Optional[set],
+                sweep: bool = False) -> list[mx.array]:
+        """The arrays to schedule now.
+
+        Once the probes have measured the sites, those of the sites that grow: a pending array
+        that does not grow (a counter the next forward evaluates, rows the model drains itself) is
+        work the program does anyway, and evaluating it early costs ~10 us an array on a GPU.
+        Between walks it re-reads only the paths the last walk saw pending and schedules them
+        unchecked: telling a pending array costs ~5 us (MLX raises), scheduling an evaluated one
+        ~0.1 us. Every FULL_SWEEP_FIXES-th fix sweeps every path and every pending array, so a site
+        that starts leaking after the last walk is cut within that many fixes."""
+        self.fixes += 1
+        sweep = sweep or self.fixes % FULL_SWEEP_FIXES == 0
+        wanted = (lambda site: growing is None or site in growing)
+        if walked_pending is not None and not sweep:
+            return [a for site, a in walked_pending if wanted(site)]
+        if self.pending_paths is not None and not sweep:
+            return self.resolve(roots, [steps for site, steps in self.pending_paths if wanted(site)])
+        return [a for a in self.resolve(roots) if not is_evaluated(a)]
+
+    def resolve(self, roots: Any, paths: Optional[list[tuple]] = None) -> list[mx.array]:
+        """The arrays at the paths found by the last walk, re-read without a walk."""
+        if paths is None:
+            if self.paths is None:
+                result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
+                self.paths = [f.steps for f in result.found if resolvable(f.steps)]
+            paths = self.paths
+        arrays = []
+        for steps in paths:
+            try:
+                value = resolve(roots, steps)
+            except Exception:  # the structure changed: the next walk will see the new one
+                continue
+            if isinstance(value, mx.array):
+                arrays.append(value)
+        return arrays
