@@ -35,7 +35,7 @@ from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
 from .options import checked_fraction, checked_positive_int, checked_steps, checked_walk_interval
 from .sampling import Sampler, warm_up
 from .schedule import Schedule
-from .scope import Scope
+from .scope import Scope, member_of
 
 try:  # records mx.distributed.init() from here on, so watchdogs learn their rank (distributed.py)
     from . import distributed as _distributed
@@ -66,6 +66,10 @@ class _LastReading:
     retained: int = 0
     pending_nodes: int = 0
     sampled: bool = False
+    # (weak reference to a cache, the buffers it held, of which in pending chains): when a cache
+    # dies its buffers go with it, before the next reading sees it (a request ended between two
+    # scrapes), and so does its share of the growth (chains grow, evaluated arrays do not).
+    by_member: tuple = ()
 
 
 class Watchdog:
@@ -163,6 +167,7 @@ class Watchdog:
         self._warnings = Warnings()
         self._warned: set[str] = set()
         self._last = _LastReading()  # between readings the forecast extrapolates from it
+        self._gone: tuple = (None, -1, 0.0, 1.0)  # (reading, scope version, its dead caches' buffers, share alive)
         self._empty_walks = 0
         self._reset_series()
         if model is not None:
@@ -240,9 +245,25 @@ class Watchdog:
 
     def generation_ended(self) -> None:
         """Say that nothing steps for now (a generation ended, a server has no request): the
-        forecast reads not decoding at once, instead of after ``IDLE_SECONDS``, and the next
-        step is measured afresh. The attachment points call it; a program may too."""
+        forecast reads not decoding at once, instead of after ``IDLE_SECONDS``. Call it on the
+        thread that ran the steps (the attachment points do): it reads the caches that are still
+        alive once more, when the budget allows, so what stays resident is what they hold now."""
+        if self._ended:
+            return
         self._ended = True
+        start = time.perf_counter()
+        try:
+            if self.walks and self._schedule.affordable():
+                if self._scope.version != self._epoch_version:
+                    self._new_epoch(self.steps)
+                self._walk(None, self.steps)  # every live cache
+                self._fixer.paths = self._fixer.pending_paths = None  # they are the roots' paths
+        except Exception as exc:
+            self._internal_error("generation_ended", exc)
+        finally:
+            spent = time.perf_counter() - start
+            self.overhead_seconds += spent
+            self._schedule.spent += spent
 
     def forecast(self) -> fc.Forecast:
         """The current forecast (thread-safe; cheap: no graph walk)."""
@@ -376,20 +397,23 @@ class Watchdog:
         self._schedule.new_epoch(step, continuing=continuing)
 
     def _resume(self) -> None:
-        """The first step after idle: a new generation, whose growth is measured afresh (the
-        resident buffers and the scope stay)."""
+        """The first step after idle starts a new epoch: a new generation is measured afresh when
+        none of the caches before the pause lives on (``_new_epoch``); a batch that goes on keeps
+        its growth."""
         self._ended = False
         self._step_times.clear()  # the idle gap is no step time
-        self.reset()
+        self._epoch_version = -1
 
     def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[tuple[str, mx.array]]:
-        """Read every live cache; returns the current roots' arrays found pending, with their sites."""
+        """Read every live cache (``roots`` and the others; None: no roots, only the caches
+        followed); returns the roots' arrays found pending, with their sites."""
         t0 = time.perf_counter()
-        others = self._scope.others()
+        others = self._scope.others() if roots is not None else self._scope.members()
+        roots = () if roots is None else roots
         result = scan_all([(roots, "")] + [(c, f"<{type(c).__name__}#{k}>") for k, c in enumerate(others)],
                           max_objects=self.max_objects, max_depth=self.max_depth)
         root_keys = [0] + [id(c) for c in others]  # ids name the other caches while they live
-        del others
+        members = [None] + others
         self._empty_walks = 0 if result.found else self._empty_walks + 1
         if self._empty_walks == 3:  # a fresh cache is empty on its first step; three in a row is not
             self._warn_once("empty", "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)", type(roots).__name__)
@@ -402,6 +426,15 @@ class Watchdog:
         # Between walks the fix re-reads only where pending arrays were seen (fix.py).
         self._fixer.pending_paths = [(f.site, f.steps) for f in pending if resolvable(f.steps)]
 
+        held: dict[int, list] = {}  # per cache followed: [its weak reference, buffers]
+        for f, done, retained in zip(found, reading.evaluated, reading.retained):
+            member = members[f.root] if f.root else member_of(roots, f.steps)
+            entry = held.get(id(member))
+            if entry is None:
+                entry = held[id(member)] = [self._scope.ref(member), 0.0, 0.0]
+            entry[1] += 1 if done else retained
+            entry[2] += 0 if done else retained
+        del members
         sites: dict[str, list] = {}
         for f, done, retained in zip(found, reading.evaluated, reading.retained):
             entry = sites.setdefault(f.site, [0, 0.0, [], 0])
@@ -430,7 +463,8 @@ class Watchdog:
             self._growth.record(step, self._epoch, sites, sample, probe_start)
             self._growth.update_leaks(fixing=self.fix and self._fixer.fixed_once)
             self._last = _LastReading(step, resident, cache_buffers, int(round(retained_buffers)),
-                                      int(round(reading.pending_nodes)), reading.sampled)
+                                      int(round(reading.pending_nodes)), reading.sampled,
+                                      tuple(tuple(entry) for entry in held.values() if entry[0] is not None))
             self.walks += 1
         cost = time.perf_counter() - t0
         self._schedule.walked(step, cost)
@@ -509,7 +543,18 @@ class Watchdog:
         self._empty_walks = 0
 
     def _resident_now(self, step: int) -> float:
-        return self._last.resident + max(0.0, self._growth.rate) * (step - self._last.step)
+        last = self._last
+        gone = self._gone
+        if gone[0] is not last or gone[1] != self._scope.version:  # a cache died since: recount
+            dead = [ref() is None for ref, _, _ in last.by_member]
+            chains = sum(r for _, _, r in last.by_member)
+            dead_chains = sum(r for (_, _, r), d in zip(last.by_member, dead) if d)
+            gone = self._gone = (last, self._scope.version,
+                                 sum(n for (_, n, _), d in zip(last.by_member, dead) if d),
+                                 1.0 - dead_chains / chains if chains else float(not all(dead) or not dead))
+        # The growth since goes on in the caches that live: with a cache gone, so is its share.
+        growth = max(0.0, self._growth.rate) * (step - last.step) * gone[3]
+        return max(float(self._parameter_buffers), last.resident - gone[2]) + growth
 
     def _step_rate(self) -> float:
         if len(self._step_times) < 2:

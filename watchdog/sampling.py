@@ -141,11 +141,11 @@ class Sampler:
 
     def _read_sample(self, found: Sequence[Found], step: int, predicted: float, limit: int) -> Reading:
         evaluated = [is_evaluated(f.array) for f in found]
-        by_site: dict[str, list[int]] = {}  # pending arrays walked before, per site
-        chosen: list[int] = []  # pending arrays never walked are walked now: nothing else tells their size
+        by_site: dict[str, list[int]] = {}  # pending arrays of sites whose size is known, per site
+        chosen: list[int] = []  # pending arrays of a site never walked: walked now, nothing else tells
         for i, done in enumerate(evaluated):
             if not done:
-                if self._key(found[i]) in self._walked:
+                if found[i].site in self._sizes or self._key(found[i]) in self._walked:
                     by_site.setdefault(found[i].site, []).append(i)
                 else:
                     chosen.append(i)
@@ -172,20 +172,28 @@ class Sampler:
             retained[i] = float(graph.retained_by_array[position])
             nodes[i] = float(graph.nodes_by_array[position])
         for site, indices in by_site.items():
-            # How the walked ones of the site grew since their own last walks, per step.
-            grown = [g for g in (self._growth(found[i], retained[i], nodes[i], step)
-                                 for i in indices if i in walked_set) if g is not None]
+            walked = [i for i in indices if i in walked_set]
+            size = self._sizes.get(site)
+            if walked:
+                mean = (sum(retained[i] for i in walked) / len(walked), sum(nodes[i] for i in walked) / len(walked))
+            else:  # nothing of it could be walked: its last size, grown as it was growing
+                mean = (0.0, 0.0) if size is None else size.at(step)[::-1]
+            # How the walked ones grew since their own last walks, per step.
+            grown = [g for g in (self._growth(found[i], retained[i], nodes[i], step) for i in walked) if g is not None]
             if grown:
                 growth = (sum(g[0] for g in grown) / len(grown), sum(g[1] for g in grown) / len(grown))
             else:
-                size = self._sizes.get(site)
                 growth = (0.0, 0.0) if size is None else (size.retained_growth, size.nodes_growth)
             for i in indices:
-                if i not in walked_set:  # its own last walk, grown as the walked ones grew
-                    last_retained, last_nodes, last_step = self._walked[self._key(found[i])]
-                    ahead = step - last_step
-                    retained[i] = max(0.0, last_retained + growth[0] * ahead)
-                    nodes[i] = max(0.0, last_nodes + growth[1] * ahead)
+                if i in walked_set:
+                    continue
+                last = self._walked.get(self._key(found[i]))
+                if last is None:  # never walked: like the walked ones of its site
+                    retained[i], nodes[i] = mean
+                else:  # its own last walk, grown as the walked ones grew
+                    ahead = step - last[2]
+                    retained[i] = max(0.0, last[0] + growth[0] * ahead)
+                    nodes[i] = max(0.0, last[1] + growth[1] * ahead)
         return Reading(list(found), evaluated, retained, nodes, len(walked_set), 0.0, walked_set)
 
     def _key(self, f: Found) -> tuple:

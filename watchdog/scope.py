@@ -10,7 +10,7 @@ a cache joins or dies: readings of two versions are not points of one growth lin
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import mlx.core as mx
 
@@ -38,6 +38,11 @@ class Scope:
         ref = self._members.get(id(member))
         return id(member) in self._current and ref is not None and ref() is member
 
+    def ref(self, member: Any) -> Optional[weakref.ref]:
+        """The weak reference to ``member`` when it is followed."""
+        ref = self._members.get(id(member))
+        return ref if ref is not None and ref() is member else None
+
     def refs(self) -> tuple[weakref.ref, ...]:
         """Weak references to the caches followed now (to ask later whether any of them lives)."""
         return tuple(self._members.copy().values())
@@ -64,9 +69,16 @@ class Scope:
 
     def others(self) -> list[Any]:
         """The live caches that are not part of the current roots."""
+        return self._live(self._current)
+
+    def members(self) -> list[Any]:
+        """Every live cache."""
+        return self._live(frozenset())
+
+    def _live(self, skip: frozenset) -> list[Any]:
         out = []
         for key, ref in self._members.copy().items():  # a copy: callbacks may remove entries
-            if key in self._current:
+            if key in skip:
                 continue
             member = ref()
             if member is not None:
@@ -82,6 +94,16 @@ class Scope:
                 del self._members[key]
                 self.version += 1
         return forget
+
+
+def member_of(roots: Any, steps: tuple) -> Any:
+    """The cache (as ``_members`` finds them) that holds the array reached by ``steps``."""
+    value, depth = roots, 0
+    for kind, key in steps:
+        if depth >= 2 or kind != "item" or not (isinstance(value, (list, tuple)) or type(value) is dict):
+            break
+        value, depth = value[key], depth + 1
+    return value
 
 
 def _members(roots: Any, depth: int = 0) -> Iterator[Any]:

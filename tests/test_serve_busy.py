@@ -1,0 +1,319 @@
+"""``mlx-watchdog serve`` under a busy continuous batch, checked against the exact buffer count.
+
+The server runs through tests/serve_with_oracle.py: the real ``python -m mlx_watchdog.serve``
+with tests/exact_buffers.py's counter installed before anything allocates. The oracle's
+``/live`` endpoint reads the true live-buffer count on the generation thread at the entry of its
+next forward pass (synchronized, exact, with the watchdog's step count), and its JSON-lines log
+records the true count at every stop the watchdog makes.
+
+The model is the tiny random-weight qwen3_next of tests/test_serve.py (8 layers, 6 of them
+linear attention): mlx-lm's ``ArraysCache.left_padding`` lazy chains leak (linear layers - 1)
+buffers per decode step of a batch, and in a busy batch they outlive every request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import openai
+import pytest
+
+from support import missing
+from test_serve import LAYERS, NO_EOS, STARTUP_SECONDS, Served, _free_port, _linear_layers, metric, scrape
+
+from mlx_watchdog import serve, tiny
+
+LAUNCHER = Path(__file__).with_name("serve_with_oracle.py")
+EXIT_NO_ORACLE = 3  # serve_with_oracle.py's status when the counter cannot be installed
+WATCHDOG = "tiny-qwen3-next"
+
+# What the estimate may miss: the buffers BatchGenerator holds outside the caches it is given
+# and MLX's random key (~7-9), or 5% of the count, whichever is larger.
+ABS_SLACK = 64  # the server holds ~25-50 buffers outside the caches (tokens, logits, logprobs of
+# requests in flight), which a watchdog attached to the model does not see; they do not grow
+REL_SLACK = 0.05
+
+
+# --------------------------------------------------------------------------- the harness
+
+class OracleServed(Served):
+    """``Served`` (tests/test_serve.py), started through the oracle launcher."""
+
+    def __init__(self, model_dir: Path, workdir: Path, watchdog_args: list[str],
+                 server_args: tuple = ("--prompt-cache-size", "2")):
+        self.port, self.metrics_port, self.oracle_port = _free_port(), _free_port(), _free_port()
+        self.log = workdir / f"serve-{self.port}.log"
+        self.oracle_log = workdir / f"oracle-{self.port}.jsonl"
+        command = [sys.executable, str(LAUNCHER), "--metrics-port", str(self.metrics_port),
+                   *watchdog_args, "--", "--model", str(model_dir), "--port", str(self.port),
+                   "--host", "127.0.0.1", *server_args]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+                   ORACLE_LOG=str(self.oracle_log), ORACLE_PORT=str(self.oracle_port))
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self.oracle_url = f"http://127.0.0.1:{self.oracle_port}/live"
+        self._wait_up()
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def _wait_up(self) -> None:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code == EXIT_NO_ORACLE:
+                missing(f"the exact buffer counter (tests/exact_buffers.py) cannot be installed, so "
+                        f"this test has no truth to compare with:\n{self.output()[-2000:]}")
+            if code is not None:
+                pytest.fail(f"server exited with {code} before it was up:\n{self.output()[-4000:]}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r1, \
+                        urllib.request.urlopen(self.oracle_url, timeout=5) as r2:
+                    if r1.status == 200 and r2.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"server not up after {STARTUP_SECONDS} s:\n{self.output()[-4000:]}")
+
+    def oracle(self) -> dict:
+        """The true live-buffer count now: {"true", "steps", "where": "step" | "idle"}."""
+        with urllib.request.urlopen(self.oracle_url, timeout=30) as response:
+            return json.loads(response.read())
+
+    def oracle_events(self, event: str) -> list[dict]:
+        lines = self.oracle_log.read_text().splitlines() if self.oracle_log.exists() else []
+        return [e for e in map(json.loads, lines) if e["event"] == event]
+
+    def measure(self) -> dict:
+        """The truth just before and just after one scrape of /metrics, and what it exported."""
+        before = self.oracle()
+        samples = self.metrics()
+        after = self.oracle()
+
+        def get(name):
+            return metric(samples, name, watchdog=WATCHDOG)
+
+        return {
+            "true_before": before["true"], "true_after": after["true"],
+            "steps_before": before["steps"], "steps_after": after["steps"],
+            "where": f"{_where(before)}/{_where(after)}",
+            "resident": get("mlx_watchdog_resident_buffers"),
+            "per_step": get("mlx_watchdog_buffers_per_step"),
+            "rate_known": get("mlx_watchdog_rate_known"),
+            "decoding": get("mlx_watchdog_decoding"),
+            "steps": get("mlx_watchdog_steps_total"),
+        }
+
+
+def _where(reading: dict) -> str:
+    """Where a reading was taken: "idle", or the forward and its batch size, e.g. "decode3"."""
+    if reading["where"] != "step":
+        return reading["where"]
+    return f"{reading.get('forward', 'step')}{reading.get('batch') or ''}"
+
+
+def _off_by(row: dict) -> float:
+    """How far the exported resident count is from the true count around the scrape."""
+    lo, hi = sorted((row["true_before"], row["true_after"]))
+    return max(lo - row["resident"], row["resident"] - hi, 0.0)
+
+
+def _slack(row: dict) -> float:
+    return max(REL_SLACK * max(row["true_before"], row["true_after"]), ABS_SLACK)
+
+
+def _table(rows: list[dict], columns: list[str]) -> str:
+    def cell(value):
+        if isinstance(value, float) and math.isfinite(value):
+            return f"{value:.2f}" if value != int(value) else str(int(value))
+        return str(value)
+
+    cells = [[cell(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny.save_model_dir(tmp_path_factory.mktemp("model") / WATCHDOG, "qwen3_next", layers=LAYERS)
+
+
+@pytest.fixture
+def start_server(model_dir, tmp_path):
+    started: list[OracleServed] = []
+
+    def start(*watchdog_args: str) -> OracleServed:
+        served = OracleServed(model_dir, tmp_path, list(watchdog_args))
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        served.stop()
+
+
+# --------------------------------------------------------------------------- a. busy batch readings
+
+CLIENTS = 3
+REQUESTS_PER_CLIENT = 3  # 9 requests in all
+STAGGER_SECONDS = 0.15  # client c starts c * STAGGER_SECONDS after the first: requests join a running batch
+
+
+def _max_tokens(client: int, request: int) -> int:
+    # 150..250, different lengths: requests leave at other steps. Real requests are of this order;
+    # much shorter ones give the 1% budget too little decode time to walk each change of the batch.
+    return 150 + (client * 37 + request * 59) % 101
+
+
+def test_busy_batch_readings_match_the_true_count(start_server, model_dir):
+    """3 clients keep one continuous batch busy (each sends streamed completions one after the
+    other; staggered and of different lengths, so requests join and leave a running batch).
+    After each request, the scrape of /metrics is bracketed by two exact readings."""
+    expected = _linear_layers(model_dir) - 1  # 6 linear-attention layers: 5 buffers per step
+    started = time.monotonic()
+    served = start_server()  # the default watchdog options: no budget flags
+    idle = served.measure()
+    rows: list[dict] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        try:
+            time.sleep(c * STAGGER_SECONDS)
+            for j in range(REQUESTS_PER_CLIENT):
+                tokens = _max_tokens(c, j)
+                result = served.stream(f"client {c} asks question {j}: how many buffers?", tokens)
+                row = {"client": c, "req": j, "max_tokens": tokens, "chunks": result["chunks"],
+                       "finish": result["finish_reason"], **served.measure()}
+                with lock:
+                    rows.append(row)
+        except Exception as exc:  # reported by the main thread
+            with lock:
+                failures.append(f"client {c}: {exc!r}")
+
+    threads = [threading.Thread(target=client, args=(c,), name=f"client-{c}") for c in range(CLIENTS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(90)
+    elapsed = time.monotonic() - started
+    rows.sort(key=lambda r: r["steps_before"])  # in the order they finished
+    for row in rows:
+        row["off_by"] = _off_by(row)
+        row["slack"] = _slack(row)
+    previous = idle
+    for row in rows:  # the true growth per step since the previous reading (joins and leaves included)
+        steps = row["steps_after"] - previous["steps_after"]
+        row["true_per_step"] = (row["true_after"] - previous["true_after"]) / steps if steps else float("nan")
+        previous = row
+    columns = ["client", "req", "max_tokens", "chunks", "finish", "steps_before", "steps", "steps_after",
+               "true_before", "resident", "true_after", "off_by", "slack", "per_step", "true_per_step",
+               "rate_known", "decoding", "where"]
+    table = (f"expected {expected} buffers/step; idle before the first request: true "
+             f"{idle['true_before']}, exported {idle['resident']}; {elapsed:.1f} s\n"
+             + _table(rows, columns) + "\n--- server log tail:\n" + served.output()[-1500:])
+    print("\n" + table)
+
+    assert not failures and not any(t.is_alive() for t in threads), f"{failures}\n{table}"
+    assert len(rows) == CLIENTS * REQUESTS_PER_CLIENT, table
+    assert all(r["finish"] == "length" and r["chunks"] >= r["max_tokens"] // 2 for r in rows), table
+    assert [r for r in rows if r["off_by"] > r["slack"]] == [], \
+        f"resident_buffers outside the true count (+- max({REL_SLACK:.0%}, {ABS_SLACK})):\n{table}"
+    busy = [r for r in rows if r["decoding"] == 1]
+    assert len(busy) >= len(rows) * 2 // 3, f"the batch was not kept busy ({len(busy)} of {len(rows)}):\n{table}"
+    # mlx-lm rebuilds the batch when a request joins one of a single request (the old caches and
+    # their chains die): that is a new decode, whose rate is unknown until read twice (NaN, not 0).
+    known = [r for r in busy if r["rate_known"] == 1]
+    assert len(known) >= len(busy) * 2 // 3, f"rate_known too rarely 1 while busy:\n{table}"
+    assert all(math.isnan(r["per_step"]) for r in busy if r["rate_known"] == 0), table
+    assert [r for r in known if not abs(r["per_step"] - expected) <= 1] == [], \
+        f"buffers_per_step not within 1 of {expected} while the batch is busy:\n{table}"
+    assert served.healthy(), table
+    code = served.stop()
+    assert code == 0, f"exit status {code}:\n{served.output()[-3000:]}"
+
+
+# --------------------------------------------------------------------------- b. every crossing request is stopped
+
+STOP_REQUESTS = 5
+STOP_MAX_TOKENS = 150  # 150 steps at 5 buffers/step: far past the limit below
+LIMIT_ABOVE_PARAMETERS = 400  # the limit: the parameters' buffers + 400
+STOP_WITHIN = 20  # steps
+
+
+def _parameter_arrays(model_dir: Path) -> int:
+    import mlx.core as mx
+
+    return len(mx.load(str(model_dir / "model.safetensors")))
+
+
+def test_stop_within_stops_every_crossing_request(start_server, model_dir):
+    """5 requests, sent one after the other (each alone in its batch, so each crosses the limit
+    on its own and each stop ends exactly one request), each long enough to cross the limit:
+    150 steps at 5 buffers a step would take the parameters' 137 buffers far past the limit 400
+    above them; with --stop-within 20 the forecast stops each after ~50 steps. The stopped batch
+    and its chains are dropped, the count falls back (how far: true_after) and the next request
+    crosses again. At every stop the true count must be below the limit: the stop came before
+    the crash would have."""
+    started = time.monotonic()
+    limit = _parameter_arrays(model_dir) + LIMIT_ABOVE_PARAMETERS
+    served = start_server("--limit", str(limit), "--stop-within", str(STOP_WITHIN))
+    rows = []
+    for i in range(STOP_REQUESTS):
+        before = served.oracle()
+        result = served.stream(f"request {i}: count the buffers until the limit", STOP_MAX_TOKENS)
+        after = served.oracle()
+        exported = served.metrics()
+        rows.append({"req": i, "true_at_start": before["true"], "chunks": result["chunks"],
+                     "finish": result["finish_reason"], "true_after": after["true"],
+                     "resident_after": metric(exported, "mlx_watchdog_resident_buffers", watchdog=WATCHDOG),
+                     "known_after": metric(exported, "mlx_watchdog_rate_known", watchdog=WATCHDOG),
+                     "steps_after": metric(exported, "mlx_watchdog_steps_total", watchdog=WATCHDOG),
+                     "window": (before["time"], after["time"])})
+    stops = served.oracle_events("stop")
+    samples_seen = served.oracle_events("sample")
+    for row in rows:  # the oracle's 0.2 s samples (not synchronized: a trace, not asserted on)
+        start, end = row.pop("window")
+        row["peak_sampled"] = max((e["live"] for e in samples_seen if start <= e["time"] <= end), default="")
+    for row, stop in zip(rows, stops):
+        row.update({"true_at_stop": stop["true"], "forecast_resident": stop["forecast_resident"],
+                    "limit": stop["limit"], "steps_to_limit": stop["steps_to_limit"],
+                    "per_step": stop["buffers_per_step"], "step": stop["step"]})
+    samples = served.metrics()
+    later = served.stream("a short one after the stops", 16)
+    elapsed = time.monotonic() - started
+    table = (f"limit {limit}, stop within {STOP_WITHIN} steps; {len(stops)} stops recorded; "
+             f"{elapsed:.1f} s\n"
+             + _table(rows, ["req", "true_at_start", "chunks", "finish", "step", "true_at_stop",
+                             "forecast_resident", "limit", "per_step", "steps_to_limit", "peak_sampled", "true_after", "resident_after",
+                             "known_after", "steps_after"])
+             + "\n--- server log tail:\n" + served.output()[-1500:])
+    print("\n" + table)
+
+    assert [r["finish"] for r in rows] == [serve.STOP_FINISH_REASON] * STOP_REQUESTS, table
+    assert all(r["chunks"] < STOP_MAX_TOKENS for r in rows), table  # cut short, not run to the end
+    assert len(stops) == STOP_REQUESTS, table  # one stop per request: each crossed on its own
+    assert all(s["limit"] == limit and s["true"] < limit for s in stops), \
+        f"a stop came when the true count was at or past the limit {limit}:\n{table}"
+    stops_total = metric(samples, "mlx_watchdog_stops_total", watchdog=WATCHDOG, reason="forecast")
+    assert stops_total == STOP_REQUESTS, f"mlx_watchdog_stops_total {stops_total}:\n{table}"
+    # The server stayed healthy: it answers, serves a later request in full, and exits cleanly.
+    assert later["finish_reason"] == "length" and later["text"], (later, table)
+    assert served.healthy(), table
+    output = served.output()
+    assert "generation thread died" not in output and "Traceback" not in output, output[-4000:]
+    code = served.stop()
+    assert code == 0, f"exit status {code}:\n{served.output()[-3000:]}"
