@@ -6,7 +6,8 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_watchdog.forecast import robust_slope, seconds_from_steps, steps_to_limit
+from mlx_watchdog.forecast import (RECENT_POINTS, RECENT_SPAN, epoch_slope, robust_slope, seconds_from_steps,
+                                   steps_to_limit)
 
 
 def reference_slope(points):
@@ -50,3 +51,31 @@ def test_limit_arithmetic():
     assert steps_to_limit(1000, 1000, 3.0) == 0.0
     assert seconds_from_steps(300, 10.0) == 30.0
     assert seconds_from_steps(math.inf, 10.0) == math.inf
+
+
+def reference_epoch_slope(points):
+    """Pairs of one epoch only; the latest epoch alone once it spans RECENT_SPAN steps."""
+    latest = [p for p in points if p[2] == points[-1][2]]
+    if len(latest) >= RECENT_POINTS and latest[-1][0] - latest[0][0] >= RECENT_SPAN:
+        points = latest
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1, e1) in enumerate(points)
+              for x2, y2, e2 in points[i + 1:] if x2 > x1 and e1 == e2]
+    return statistics.median(slopes) if slopes else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(steps, st.sampled_from([5, 5, 7, 1000]), st.integers(0, 3)), max_size=64))
+def test_epoch_slope_pairs_points_of_one_epoch(points):
+    # Steps increase and epochs never come back, as the watchdog records them.
+    points = sorted(points, key=lambda p: (p[2], p[0]))
+    got, want = epoch_slope(points), reference_epoch_slope(points)
+    assert (got is None) == (want is None)
+    if want is not None:
+        assert math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_a_jump_between_epochs_is_no_growth():
+    before = [(s, 100.0, 0) for s in range(10)]
+    after = [(s, 5000.0, 1) for s in range(10, 20)]  # a request joined: more buffers, none growing
+    assert epoch_slope(before + after) == 0.0
+    assert robust_slope([(s, y) for s, y, _ in before + after]) > 0  # what pairing across epochs reads

@@ -112,6 +112,13 @@ def epoch_slope(points: Sequence[tuple[float, float, int]]) -> Optional[float]:
     n = len(points)
     if n < 2:
         return None
+    first = points[0][1]
+    if all(p[1] == first for p in points):  # flat (most sites, most readings): no pairs needed
+        seen: dict = {}
+        for x, _, epoch in points:
+            if seen.setdefault(epoch, x) != x:
+                return 0.0
+        return None
     latest = points[-1][2]
     recent = [p for p in points if p[2] == latest]
     if len(recent) >= RECENT_POINTS and recent[-1][0] - recent[0][0] >= RECENT_SPAN:
