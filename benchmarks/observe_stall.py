@@ -704,8 +704,9 @@ def report(args, variants, engines, workers, results, orders, errors, notes, bef
             lines += [f"## {title}, {steps} steps", ""]
             ref = next((r["tokens_sha"] for r in _ok(res.get("unwatched", []))), None)
             lines.append("| variant | tokens/s | worst observe() ms | at call # | p99 observe() us | median observe() us | "
-                         "walks | buffers/step read | rate measured | internal errors | same tokens as unwatched |")
-            lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                         "all observe() ms | walks | buffers/step read | rate measured | internal errors | "
+                         "same tokens as unwatched |")
+            lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
             for v in variants:
                 ok = _ok(res.get(v, []))
                 watched = VARIANTS[v][1]
@@ -718,6 +719,7 @@ def report(args, variants, engines, workers, results, orders, errors, notes, bef
                     _spread([r["observe"]["worst_call"] for r in ok], ".0f") if watched else "",
                     _spread([r["observe"]["p99_s"] * 1e6 for r in ok], ".0f") if watched else "",
                     _spread([r["observe"]["median_s"] * 1e6 for r in ok], ".1f") if watched else "",
+                    _spread([r["observe"]["total_s"] * 1e3 for r in ok], ".1f") if watched else "",
                     _spread([r["walks"] for r in ok], ".0f") if watched else "",
                     _spread([r["rate"] for r in ok], ".2f") if watched else "",
                     (f"{sum(1 for r in ok if r.get('rate_known'))} of {len(ok)}"

@@ -223,6 +223,8 @@ STOPS_ANNOTATION = f"sum by (watchdog, reason) (increase(mlx_watchdog_stops_tota
 
 NOT_GROWING = [
     {"type": "value", "options": {"Infinity": {"color": "green", "index": 0, "text": "not growing"}}},
+    # NaN: the growth is not measured yet (mlx_watchdog_rate_known 0), which is no "no leak".
+    {"type": "special", "options": {"match": "nan", "result": {"color": "blue", "index": 1, "text": "measuring"}}},
 ]
 
 
@@ -583,6 +585,22 @@ def build() -> dict:
     # ------------------------------------------------------------ watchdog health
     L.row("Watchdog health")
     L.add(
+        stat(
+            "Decoding / growth measured",
+            "Decoding: 1 while decode steps are observed, 0 when none came for a few seconds or the "
+            "generation ended (then nothing is forecast to grow). Growth measured: 1 once two readings "
+            "of the caches alive now have measured the growth per step; 0 right after a new decode "
+            "starts, when the forecast panels read 'measuring' instead of a number.",
+            [target(f"mlx_watchdog_decoding{{{SEL}}}", legend="decoding " + LEGEND, ref="A"),
+             target(f"mlx_watchdog_rate_known{{{SEL}}}", legend="growth measured " + LEGEND, ref="B")],
+            "none",
+            thresholds((None, "blue"), (1, "green")),
+            mappings=[{"type": "value", "options": {"0": {"index": 0, "text": "no"}, "1": {"index": 1, "text": "yes"}}}],
+        ),
+        w=6,
+        h=7,
+    )
+    L.add(
         timeseries(
             "Watchdog overhead (share of decode time)",
             "Seconds spent inside the watchdog's own bookkeeping per second of wall time while decoding, "
@@ -594,7 +612,7 @@ def build() -> dict:
             th=thresholds((None, "green"), (0.02, "orange"), (0.05, "red")),
             minimum=0,
         ),
-        w=8,
+        w=6,
         h=7,
     )
     L.add(
@@ -614,7 +632,7 @@ def build() -> dict:
             minimum=0,
             decimals=0,
         ),
-        w=8,
+        w=6,
         h=7,
     )
     L.add(
@@ -634,7 +652,7 @@ def build() -> dict:
             minimum=0,
             decimals=0,
         ),
-        w=8,
+        w=6,
         h=7,
     )
     L.newline()

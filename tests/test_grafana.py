@@ -440,6 +440,8 @@ def synthetic_openmetrics(end: int) -> str:
         add("mlx_watchdog_leak_buffers_per_step", {**labels, "site": "KVCache.keys"}, [0.0] * n)
         add("mlx_watchdog_fixed_leak_buffers_per_step", {**labels, "site": "ArraysCache.offset"}, [1.0] * n)
         add("mlx_watchdog_step_rate", labels, [step_rate] * n)
+        add("mlx_watchdog_decoding", labels, [1] * n)
+        add("mlx_watchdog_rate_known", labels, [1] * n)
         add("mlx_watchdog_memory_active_bytes", labels, [8e9 + 1e3 * s for s in steps])
         add("mlx_watchdog_memory_peak_bytes", labels, [9e9 + 1e3 * s for s in steps])
         add("mlx_watchdog_memory_cache_bytes", labels, [5e8] * n)
