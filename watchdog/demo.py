@@ -321,8 +321,10 @@ class _View:
         tps = steps * self.batch / elapsed if elapsed > 0 else 0.0
         if self._walks_at_start is None:
             self._start(steps, watchdog)
-        if watchdog.walks - self._walks_at_start < 2 and not f.leaks:
+        if not f.rate_known or (watchdog.walks - self._walks_at_start < 2 and not f.leaks):
             crash = "measuring..."  # a rate needs two graph walks after the prefill
+        elif not f.decoding:
+            crash = "none (the decode ended)"  # its caches, and the chains they held, are gone
         elif math.isinf(f.steps_to_limit):
             crash = "never"
         else:
