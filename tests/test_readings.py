@@ -377,3 +377,24 @@ def test_a_cache_that_dies_takes_its_buffers_out_of_the_reading_at_once():
     assert after == exact.evaluated_arrays + exact.retained_buffers
     del caches, c
     assert wd.forecast().resident_buffers == 0  # and nothing grows in caches that are gone
+
+
+def test_the_reading_at_the_end_of_a_generation_runs_only_on_the_thread_that_stepped():
+    import threading
+
+    cache = Chain()
+    wd = Watchdog(limit=10**6, export=False)
+    for _ in range(5):
+        wd.observe(cache)
+        cache.step()
+    walks = wd.walks
+    other = threading.Thread(target=wd.generation_ended)  # e.g. a generator closed by the collector
+    other.start()
+    other.join()
+    assert wd.walks == walks and not wd.forecast().decoding
+    wd.observe(cache)
+    walks = wd.walks
+    wd.generation_ended()  # the stepping thread: one more reading of what is held
+    assert wd.walks == walks + 1
+    held = graph.account([cache.value])
+    assert wd.forecast().resident_buffers == held.evaluated_arrays + held.retained_buffers

@@ -153,6 +153,7 @@ class Watchdog:
         self._parameter_buffers = 0
         self._last_observe = math.inf  # the first step's gap is no decode time
         self._ended = False  # the attachment said the generation ended
+        self._stepping_thread: Optional[int] = None
         self._idle_after = IDLE_SECONDS
         self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
         self._scope = Scope()
@@ -253,7 +254,9 @@ class Watchdog:
         self._ended = True
         start = time.perf_counter()
         try:
-            if self.walks and self._schedule.affordable():
+            # Only on the thread that stepped (a generator closed by the garbage collector may end
+            # anywhere): MLX's graph is not read beside a thread that may be changing it.
+            if self.walks and self._schedule.affordable() and threading.get_ident() == self._stepping_thread:
                 if self._scope.version != self._epoch_version:
                     self._new_epoch(self.steps)
                 self._walk(None, self.steps)  # every live cache
@@ -347,6 +350,7 @@ class Watchdog:
         self._last_observe = start
         step = self.steps = self.steps + 1
         self._step_times.append((step, start))
+        self._stepping_thread = threading.get_ident()
         if self._scope.version != self._epoch_version:
             self._new_epoch(step)
 
