@@ -68,7 +68,7 @@ def test_short_batched_decodes_under_load_read_the_leak_within_64_steps(counter,
         gen.insert(tiny_prompts(2, 6, 512, seed=run))
         by_step, truth = {}, []
         with cpu_load():
-            while responses := gen.next_generated():
+            while gen.next_generated():
                 f = wd.forecast()
                 by_step[f.step] = f
                 if f.step in (20, 100):

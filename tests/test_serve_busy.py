@@ -29,7 +29,7 @@ import openai
 import pytest
 
 from support import missing
-from test_serve import LAYERS, NO_EOS, STARTUP_SECONDS, Served, _free_port, _linear_layers, metric, scrape
+from test_serve import LAYERS, STARTUP_SECONDS, Served, _free_port, _linear_layers, metric
 
 from mlx_watchdog import serve, tiny
 

@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 
 from . import forecast as fc
 from .actions import ResourceLimitForecast, Warnings, remedy
-from .fix import Fixer, evaluated_output, materialize, resolvable
+from .fix import Fixer, evaluated_output, resolvable
 from .growth import SAMPLE_WINDOW, Growth
 from .introspect import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit

@@ -165,16 +165,6 @@ def resolve(root: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
     return value
 
 
-def root_key(roots: Any) -> tuple:
-    """Identity of a set of roots that survives re-wrapping: a new tuple around the same caches
-    has the same key; a new cache list has a new one. Arrays are left out (they are rebound)."""
-    if isinstance(roots, (list, tuple)):
-        return (type(roots).__name__, len(roots)) + tuple(
-            id(r) for r in roots[:64] if not isinstance(r, mx.array)
-        )
-    return (id(roots),)
-
-
 def _instance_dict(value: Any) -> dict:
     try:
         attrs = object.__getattribute__(value, "__dict__")
