@@ -357,7 +357,7 @@ def test_many_short_decodes_share_one_budget(monkeypatch):
     charge_walks(monkeypatch, clock, lambda reading: walk_cost)
     wd = Watchdog(limit=10**6, export=False)
     decode = 0.0
-    for request in range(200):
+    for request in range(1000):
         cache = ScalarCache()  # a new request: new caches, a new epoch
         for _ in range(20):
             wd.observe(cache)
@@ -367,7 +367,7 @@ def test_many_short_decodes_share_one_budget(monkeypatch):
     assert decode > 10 * schedule.WALK_CREDIT_SECONDS / 0.01
     # The watched decode's wall time includes the watchdog's own time.
     assert wd.overhead_seconds <= 0.01 * (decode + wd.overhead_seconds) + walk_cost
-    assert wd.walks >= 200  # every request still gets measured
+    assert wd.walks >= 2000  # every request still gets measured: its level and its rate
 
 
 def test_caches_that_join_are_read_with_the_others_and_their_arrival_is_no_growth():

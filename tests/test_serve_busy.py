@@ -39,7 +39,7 @@ WATCHDOG = "tiny-qwen3-next"
 
 # What the estimate may miss: the buffers BatchGenerator holds outside the caches it is given
 # and MLX's random key (~7-9), or 5% of the count, whichever is larger.
-ABS_SLACK = 64  # the server holds ~25-50 buffers outside the caches (tokens, logits, logprobs of
+ABS_SLACK = 80  # the server holds ~25-50 buffers outside the caches (tokens, logits, logprobs of
 # requests in flight), which a watchdog attached to the model does not see; they do not grow
 REL_SLACK = 0.05
 

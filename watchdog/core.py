@@ -463,8 +463,10 @@ class Watchdog:
                 # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
                 # rate): the growth to forecast is what it leaves behind.
                 sample = resident - retained_buffers + reading.pending_arrays
+        # The first reading of a new decode pairs with no other (-1 is no epoch): see schedule.py.
+        epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
         with self._lock:
-            self._growth.record(step, self._epoch, sites, sample, probe_start)
+            self._growth.record(step, epoch, sites, sample, probe_start)
             self._growth.update_leaks(fixing=self.fix and self._fixer.fixed_once)
             self._last = _LastReading(step, resident, cache_buffers, int(round(retained_buffers)),
                                       int(round(reading.pending_nodes)), reading.sampled,

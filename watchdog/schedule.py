@@ -17,7 +17,15 @@ from __future__ import annotations
 from typing import Optional
 
 DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into an epoch that are walked
-WALK_CREDIT_SECONDS = 0.05  # budget granted up front (a floor, not added)
+# Walks of a new decode taken even when the budget is spent: one for its level, two 16 steps apart
+# for its rate. The first step's reading is no point of the growth: what the prompt's last forward
+# left pending is still there then (in mlx-lm's server, readings one step apart from there read
+# 8/step instead of 5, and 0/16/32 read 3.7-4.3).
+OWED_OFFSETS = (0, 16, 32)  # the first reads the new level only: it is no point of the growth
+# Budget granted up front (a floor, not added): a young watchdog must read the first requests of a
+# server as they come (0.05 s was spent by ~15 walks of a leaking batch in its first 2 s, and left it
+# blind to the next requests' changes). Past 25 s of decode the 1% holds.
+WALK_CREDIT_SECONDS = 0.25
 AUTO_WALK_INTERVAL = 0.5  # seconds of decode between walks after the dense ones (walk_interval=None)...
 AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of decode time
 
@@ -33,35 +41,58 @@ class Schedule:
         self._dense = 0  # index into DENSE_OFFSETS of the next dense walk of the epoch
         self._last_walk_decode = 0.0
         self._gap = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
+        self._owed = len(OWED_OFFSETS)  # index into OWED_OFFSETS of the next walk owed whatever the budget
+        self._continuing = False  # the epoch's caches partly go on from the last one
 
     def new_epoch(self, step: int, continuing: bool = False) -> None:
         """A new epoch at ``step``. One whose caches partly go on (a request joined a busy batch)
         keeps the growth measured so far: it needs one reading of its new level, not the
         dense ones of a new decode (a busy server has two such epochs per request)."""
         self._epoch_start = step
+        self._continuing = continuing
         self._dense = len(DENSE_OFFSETS) - 1 if continuing else 0
         if continuing:  # its first step, whatever the offset
             self._epoch_start = step - DENSE_OFFSETS[-1]
+        else:
+            # A server whose budget earlier requests spent would otherwise be blind to a new
+            # decode for hundreds of steps (measured: 200). Its first walks are cheap (its chains
+            # are new), and there are three per decode.
+            self._owed = 0
 
     def due(self, step: int) -> bool:
         """Is a walk due at ``step``, and does it fit the budget? (Every step: kept cheap.)"""
-        wanted = (self.decode_seconds - self._last_walk_decode >= self._gap
-                  or (self._dense < len(DENSE_OFFSETS) and step - self._epoch_start >= DENSE_OFFSETS[self._dense]))
+        offset = step - self._epoch_start
+        if self._owed < len(OWED_OFFSETS) and offset >= OWED_OFFSETS[self._owed]:
+            return True
+        dense = self._dense < len(DENSE_OFFSETS) and offset >= DENSE_OFFSETS[self._dense]
+        if dense and self._continuing:
+            # The one walk that sees what a change of a busy batch added (the merged request's
+            # buffers): unseen, each change leaves the reading low until the next walk. It may
+            # overdraw the budget up to twice.
+            return self.affordable(overdraft=2.0)
+        wanted = dense or self.decode_seconds - self._last_walk_decode >= self._gap
         return wanted and self.affordable()
 
-    def affordable(self) -> bool:
+    def affordable(self, overdraft: float = 1.0) -> bool:
         # Everything observe() spends counts, not only walks (wall time: that is what the decode
         # loses). The budget runs over the watchdog's lifetime: a server has a new epoch with every
         # change of its batch, and a credit per epoch would let short requests cost more than the
         # budget. The credit is a floor: past WALK_CREDIT_SECONDS / overhead_budget of decode,
         # at most overhead_budget is spent.
         allowed = max(self.overhead_budget * self.decode_seconds, WALK_CREDIT_SECONDS)
-        return self.spent + self.last_cost <= allowed
+        return self.spent + self.last_cost <= overdraft * allowed
+
+    def first_of_decode(self, step: int) -> bool:
+        """Is ``step`` the first of a new decode? Its reading is a level, not a point of the growth:
+        what the prompt's last forward left pending is still there then."""
+        return not self._continuing and step == self._epoch_start
 
     def walked(self, step: int, cost: float) -> None:
         self.last_cost = cost
         self._last_walk_decode = self.decode_seconds
         offset = step - self._epoch_start
+        while self._owed < len(OWED_OFFSETS) and OWED_OFFSETS[self._owed] <= offset:
+            self._owed += 1
         while self._dense < len(DENSE_OFFSETS) and DENSE_OFFSETS[self._dense] <= offset:
             self._dense += 1
         if self.walk_interval is not None:
