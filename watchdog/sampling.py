@@ -103,30 +103,48 @@ class Sampler:
         self._root_keys = list(root_keys)
         limit = self.max_nodes
         predicted = self.predicted_nodes(step)
+        probe = None
         if predicted is None:
-            predicted = self._probe(found, step)
+            probe = self._probe(found, step)
+            predicted = self.predicted_nodes(step) if probe is not None else None
         if predicted is None or predicted <= limit:
             reading = self._read_all(found, predicted)
+        elif probe is not None:  # the probe was the sample: walking one array a site again would double the stall
+            reading = self._read_probe(found, step, probe)
         else:
             reading = self._read_sample(found, step, predicted, limit)
         reading.seconds = time.perf_counter() - started
         self._learn(reading, step)
         return reading
 
-    def _probe(self, found: Sequence[Found], step: int) -> Optional[float]:
+    def _probe(self, found: Sequence[Found], step: int) -> Optional[tuple]:
         """Nothing read yet (a watchdog attached to caches that may already hold deep chains):
-        walk one pending array per site first, and predict the rest from it. None: none pending."""
+        walk one pending array per site first, and predict the rest from it. Returns
+        (evaluated flags, pending indices by site, the walked one's (retained, nodes) by site);
+        None: none pending."""
+        evaluated = [is_evaluated(f.array) for f in found]
         by_site: dict[str, list[int]] = {}
-        for i, f in enumerate(found):
-            if not is_evaluated(f.array):
-                by_site.setdefault(f.site, []).append(i)
+        for i, done in enumerate(evaluated):
+            if not done:
+                by_site.setdefault(found[i].site, []).append(i)
         if not by_site:
             return None
-        firsts = [indices[0] for indices in by_site.values()]
-        graph = account([found[i].array for i in firsts])
+        graph = account([found[indices[0]].array for indices in by_site.values()])
+        walked = {}
         for (site, indices), nodes, retained in zip(by_site.items(), graph.nodes_by_array, graph.retained_by_array):
             self._sizes[site] = _SiteSize(float(nodes), float(retained), step, 0.0, 0.0, len(indices))
-        return self.predicted_nodes(step)
+            walked[site] = (float(retained), float(nodes))
+        return evaluated, by_site, walked
+
+    def _read_probe(self, found: Sequence[Found], step: int, probe: tuple) -> Reading:
+        evaluated, by_site, walked = probe
+        retained = [0.0] * len(found)
+        nodes = [0.0] * len(found)
+        for site, indices in by_site.items():
+            for i in indices:  # each like the one walked of its site
+                retained[i], nodes[i] = walked[site]
+        firsts = {indices[0] for indices in by_site.values()}
+        return Reading(list(found), evaluated, retained, nodes, len(firsts), 0.0, firsts)
 
     def forget(self) -> None:
         self._sizes.clear()
