@@ -445,3 +445,19 @@ def test_new_caches_that_reuse_the_ids_of_freed_ones_are_a_new_decode():
     wd.observe(reused)  # its first decode step: a new decode, none of the old caches lives
     f = wd.forecast()
     assert not f.rate_known and f.buffers_per_step == 0.0 and f.resident_buffers == 3 * 2
+
+
+@pytest.mark.parametrize("option, bad", [("fix", "false"), ("fix", 1), ("export", "false"), ("export", None),
+                                         ("name", ["a"]), ("name", ""), ("fix_every", 2.0)])
+def test_options_of_the_wrong_type_are_refused_naming_the_option(option, bad):
+    with pytest.raises(ValueError, match=option):
+        Watchdog(limit=100, **{option: bad})
+
+
+def test_numpy_numbers_and_bools_are_accepted():
+    import numpy as np
+
+    wd = Watchdog(limit=np.int64(1000), stop_within=np.int64(5), warn_within=np.float32(10.5),
+                  fix_every=np.int32(4), fix=np.bool_(True), export=np.bool_(False), overhead_budget=np.float64(0.02))
+    assert (wd.limit, wd.stop_within, wd.fix_every, wd.fix, wd.export) == (1000, 5.0, 4, True, False)
+    assert type(wd.fix_every) is int and type(wd.fix) is bool

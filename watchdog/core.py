@@ -32,7 +32,8 @@ from .fix import Fixer, evaluated_output, resolvable
 from .growth import SAMPLE_WINDOW, Growth
 from .introspect import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
-from .options import checked_fraction, checked_positive_int, checked_steps, checked_walk_interval
+from .options import (checked_bool, checked_fraction, checked_name, checked_positive_int, checked_steps,
+                      checked_walk_interval)
 from .sampling import Sampler, warm_up
 from .schedule import Schedule
 from .scope import Scope, member_of
@@ -114,11 +115,14 @@ class Watchdog:
         max_depth: int = MAX_DEPTH,
     ):
         self.limit = resolve_limit(limit)
-        checked_positive_int(fix_every, "fix_every")
+        fix_every = checked_positive_int(fix_every, "fix_every")
+        name = checked_name(name)
+        fix = checked_bool(fix, "fix")
+        export = checked_bool(export, "export")
         checked_positive_int(max_objects, "max_objects")
         checked_positive_int(max_depth, "max_depth")
-        checked_steps(warn_within, "warn_within")
-        checked_steps(stop_within, "stop_within")
+        warn_within = checked_steps(warn_within, "warn_within")
+        stop_within = checked_steps(stop_within, "stop_within")
         overhead_budget = checked_fraction(overhead_budget, "overhead_budget")
         walk_interval = checked_walk_interval(walk_interval)
         if on_forecast is not None and not callable(on_forecast):

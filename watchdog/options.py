@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Callable, Optional
 
 
@@ -30,27 +31,28 @@ SECONDS = Bound("a finite number of seconds >= 0", _finite_non_negative)
 FRACTION = Bound("a fraction in (0, 1]", lambda value: 0 < value <= 1)
 
 
-def _is_number(value: Any, kinds: tuple = (int, float)) -> bool:
+def _is_number(value: Any, kinds: tuple = (numbers.Real,)) -> bool:
+    """A number of ``kinds`` (numpy's integers and floats are numbers too), never a bool."""
     return not isinstance(value, bool) and isinstance(value, kinds)
 
 
 def checked_positive_int(value: Any, label: str) -> int:
-    if not _is_number(value, (int,)) or not POSITIVE_INT.holds(value):
+    if not _is_number(value, (numbers.Integral,)) or not POSITIVE_INT.holds(value):
         raise ValueError(f"{label} must be {POSITIVE_INT.what}, got {value!r}")
-    return value
+    return int(value)
 
 
 def checked_port(value: Any, label: str) -> int:
-    if not _is_number(value, (int,)) or not PORT.holds(value):
+    if not _is_number(value, (numbers.Integral,)) or not PORT.holds(value):
         raise ValueError(f"{label} must be {PORT.what}, got {value!r}")
-    return value
+    return int(value)
 
 
 def checked_steps(value: Any, label: str) -> Optional[float]:
     """A threshold in steps (``warn_within``, ``stop_within``), or None."""
     if value is not None and (not _is_number(value) or not STEPS.holds(value)):
         raise ValueError(f"{label} must be {STEPS.what} or None, got {value!r}")
-    return value
+    return None if value is None else float(value)
 
 
 def checked_walk_interval(value: Any, label: str = "walk_interval") -> Optional[float]:
@@ -60,6 +62,20 @@ def checked_walk_interval(value: Any, label: str = "walk_interval") -> Optional[
     if not _is_number(value) or not SECONDS.holds(value):
         raise ValueError(f"{label} must be {SECONDS.what} or None, got {value!r}")
     return float(value)
+
+
+def checked_bool(value: Any, label: str) -> bool:
+    """True or False (numpy's bool too): a string such as "false" is no switch that is off."""
+    kind = type(value)
+    if isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise ValueError(f"{label} must be True or False, got {value!r}")
+
+
+def checked_name(value: Any, label: str = "name") -> Optional[str]:
+    if value is None or (isinstance(value, str) and value.strip()):
+        return value
+    raise ValueError(f"{label} must be a non-empty string or None, got {value!r}")
 
 
 def checked_fraction(value: Any, label: str) -> float:
