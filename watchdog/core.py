@@ -129,11 +129,11 @@ class Watchdog:
             raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
         self.name = name or "default"
         self.name_is_default = name is None
-        self.fix = bool(fix)
+        self.fix = fix
         self.warn_within = warn_within
         self.stop_within = stop_within
         self.on_forecast = on_forecast
-        self.export = bool(export)
+        self.export = export
         self.max_objects = max_objects
         self.max_depth = max_depth
 
@@ -179,7 +179,6 @@ class Watchdog:
             self.count_parameters(model)
         try:  # one-off costs (the walker thread, MLX's first export, numpy's median) are paid now
             warm_up()
-            fc.epoch_slope([(0, 0.0, 0), (1, 1.0, 0), (2, 3.0, 0)])
         except Exception as exc:
             self._internal_error("warm_up", exc)
         with _live_lock:
@@ -350,7 +349,7 @@ class Watchdog:
             # requests, a program doing other work) does not bank walking budget.
             schedule.decode_seconds += gap if gap < MAX_STEP_SECONDS else MAX_STEP_SECONDS
         if self._ended or gap > self._idle_after:
-            self._resume()  # after idle: a new generation, measured afresh
+            self._resume()  # after idle: a new epoch (a new decode if none of the caches lives on)
         self._last_observe = start
         step = self.steps = self.steps + 1
         self._step_times.append((step, start))
@@ -434,7 +433,8 @@ class Watchdog:
         # Between walks the fix re-reads only where pending arrays were seen (fix.py).
         self._fixer.pending_paths = [(f.site, f.steps) for f in pending if resolvable(f.steps)]
 
-        held: dict[int, list] = {}  # per cache followed: [its weak reference, buffers]
+        held: dict[int, list] = {}  # per cache followed: [its weak reference, buffers, of which retained]
+        sites: dict[str, list] = {}
         for f, done, retained in zip(found, reading.evaluated, reading.retained):
             member = members[f.root] if f.root else member_of(roots, f.steps)
             entry = held.get(id(member))
@@ -442,9 +442,6 @@ class Watchdog:
                 entry = held[id(member)] = [self._scope.ref(member), 0.0, 0.0]
             entry[1] += 1 if done else retained
             entry[2] += 0 if done else retained
-        del members
-        sites: dict[str, list] = {}
-        for f, done, retained in zip(found, reading.evaluated, reading.retained):
             entry = sites.setdefault(f.site, [0, 0.0, [], 0])
             entry[3] += 1
             if done:
@@ -453,6 +450,7 @@ class Watchdog:
                 entry[1] += retained
                 if retained and len(entry[2]) < MAX_PATHS_PER_SITE:
                     entry[2].append(f.path)
+        del members
 
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers

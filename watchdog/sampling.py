@@ -18,7 +18,7 @@ import dataclasses
 import time
 from typing import Any, Optional, Sequence
 
-from . import graph
+from . import forecast, graph
 from .graph import TooDeep, account, deep_walker, is_evaluated
 from .introspect import Found
 
@@ -110,7 +110,7 @@ class Sampler:
         if predicted is None or predicted <= limit:
             reading = self._read_all(found, predicted)
         elif probe is not None:  # the probe was the sample: walking one array a site again would double the stall
-            reading = self._read_probe(found, step, probe)
+            reading = self._read_probe(found, probe)
         else:
             reading = self._read_sample(found, step, predicted, limit)
         reading.seconds = time.perf_counter() - started
@@ -136,7 +136,7 @@ class Sampler:
             walked[site] = (float(retained), float(nodes))
         return evaluated, by_site, walked
 
-    def _read_probe(self, found: Sequence[Found], step: int, probe: tuple) -> Reading:
+    def _read_probe(self, found: Sequence[Found], probe: tuple) -> Reading:
         evaluated, by_site, walked = probe
         retained = [0.0] * len(found)
         nodes = [0.0] * len(found)
@@ -251,18 +251,26 @@ class Sampler:
                 retained_growth = max(0.0, (retained - before.retained) / (step - before.step))
             sizes[site] = _SiteSize(nodes, retained, step, nodes_growth, retained_growth, len(values))
         self._sizes = sizes
-        walked_nodes = sum(n for f, done, n in zip(reading.found, reading.evaluated, reading.nodes) if not done) \
-            if not reading.sampled else reading.pending_nodes * reading.walked / max(1, reading.pending_arrays)
+        walked_nodes = reading.pending_nodes if walked is None else sum(reading.nodes[i] for i in walked)
         work = walked_nodes + len(reading.found)
         if work >= 1000 and reading.seconds > 0:  # small walks are dominated by fixed costs
             measured = reading.seconds / work
             self.seconds_per_node = 0.5 * self.seconds_per_node + 0.5 * measured
 
 
+_warm = False
+
+
 def warm_up() -> None:
-    """Pay the one-off costs of a first reading (the walker thread, MLX's first export) now."""
+    """Pay the one-off costs of a first reading now, once per process: the walker thread, MLX's
+    first export, and numpy's first median (it imports numpy.ma: 11-38 ms measured)."""
+    global _warm
+    if _warm:
+        return
     deep_walker()
     import mlx.core as mx
 
     a = mx.array(0)
     graph.account([a, a + 1])
+    forecast.epoch_slope([(0, 0.0, 0), (1, 1.0, 0), (2, 3.0, 0)])
+    _warm = True
