@@ -40,7 +40,7 @@ import time
 import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_variants import VARIANTS, interleaved, make_model, prompts_for  # noqa: E402
+from decode_variants import VARIANTS, add_model_arguments, interleaved, model_defaults, make_model, prompts_for, revision  # noqa: E402
 
 DEFAULT_VARIANTS = "unwatched,aa,handfix,every256,watched,fix,fix4,fix16"
 LONG_VARIANTS = "unwatched,aa,watched,fix"
@@ -48,26 +48,13 @@ LONG_VARIANTS = "unwatched,aa,watched,fix"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("llama", "qwen3_next"), default="llama",
-                   help="llama: leak-free, decoded by generate_step; qwen3_next: leaking, decoded by BatchGenerator")
-    p.add_argument("--path", choices=("plain", "batched"), default=None,
-                   help="decode loop (default: plain for llama, batched for qwen3_next)")
-    p.add_argument("--layers", type=int, default=None, help="default 4 (llama), 8 (qwen3_next)")
-    p.add_argument("--hidden", type=int, default=0, help="model width (0: tiny's 64-wide config)")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--experts", type=int, default=8, help="qwen3_next routed experts (with --hidden)")
-    p.add_argument("--dtype", default="float32", help="float32 (CPU MoE needs it), bfloat16, float16")
+    add_model_arguments(p)
     p.add_argument("--steps", type=int, default=400, help="decode steps timed per repetition")
     p.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
-    p.add_argument("--batch", type=int, default=2, help="sequences in the batched path (equal-length prompts)")
-    p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--chunk", type=int, default=50, help="steps a variant decodes before the next one takes its turn")
     p.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default: {DEFAULT_VARIANTS})")
     p.add_argument("--long", action="store_true", help=f"10,000 steps, 2 repetitions, variants {LONG_VARIANTS} (unless given)")
     p.add_argument("--out", default=None, help="also write the markdown here (appends)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("default", "cpu", "gpu"), default="default",
-                   help="MLX device (cpu: the CPU backend, also on a GPU machine)")
     args = p.parse_args(argv)
     if args.long:
         if "--steps" not in (argv or sys.argv):
@@ -81,8 +68,7 @@ def parse_args(argv=None):
             p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     if args.variants[0] != "unwatched":
         args.variants = ["unwatched"] + [v for v in args.variants if v != "unwatched"]
-    args.layers = args.layers or (4 if args.model == "llama" else 8)
-    args.path = args.path or ("plain" if args.model == "llama" else "batched")
+    model_defaults(args)
     for name in ("layers", "steps", "reps", "batch", "prompt_len", "vocab", "chunk"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -104,7 +90,7 @@ def main(argv=None) -> int:
     prompts = prompts_for(args.batch if args.path == "batched" else 1, args.prompt_len, args.vocab, args.seed)
 
     load_before = os.getloadavg()
-    args.revision = _revision()  # the code under test, read before it runs
+    args.revision = revision()  # the code under test, read before it runs
     interleaved(model, args.variants, args.path, prompts, min(args.steps, 64), args.chunk)  # warm-up
     runs = {v: [] for v in args.variants}
     started = time.perf_counter()
@@ -179,21 +165,6 @@ def report(args, runs, identical, wall, load_before, load_after, reproducible=Tr
 
 def _pct(ratio: float) -> str:
     return f"{100 * (ratio - 1):+.2f}%"
-
-
-def _revision() -> str:
-    """The project's git commit (+ "dirty" when the tree has changes), where git can tell."""
-    import subprocess
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-    except Exception:
-        return "(no git)"
-    return f"{sha}{'+dirty' if dirty else ''}" if sha else "(no git)"
 
 
 def _version(dist: str) -> str:

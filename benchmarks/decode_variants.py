@@ -8,6 +8,8 @@ around each forward pass differs:
 * ``handfix``         the hand-written fix users apply today: a model wrapper that runs
                       ``mx.eval([c.state for c in cache])`` after every forward (synchronous)
 * ``every256``        the same evaluation every 256 forwards, as some servers do
+* ``async16``         the fix's work by hand: every 16 forwards, ``mx.async_eval`` of every array
+                      attribute of every cache layer (what the fix schedules, without a watchdog)
 * ``watched``         ``watch_model(model, Watchdog())`` (fix off)
 * ``fix``             ``Watchdog(fix=True)`` with its default ``fix_every``
 * ``fix4``, ``fix16`` ``Watchdog(fix=True, fix_every=4 / 16)`` (to choose the default)
@@ -24,7 +26,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import os
 import random
+import subprocess
 import time
 from typing import Any, Optional
 
@@ -38,7 +42,7 @@ from mlx_watchdog.graph import account
 from mlx_watchdog.introspect import find_arrays
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
-VARIANTS = ("unwatched", "aa", "handfix", "every256", "watched", "fix", "fix4", "fix16", "fixlow",
+VARIANTS = ("unwatched", "aa", "handfix", "every256", "async16", "watched", "fix", "fix4", "fix16", "fixlow",
             "wrapped", "nowalk")
 LOW_BUDGET = 0.0025  # walk budget of ``fixlow`` (the default is 0.01)
 
@@ -61,6 +65,29 @@ class _GCClock:
 
 
 GC_CLOCK = _GCClock()
+
+
+def add_model_arguments(p) -> None:
+    """The model, its shape, the decode path and the device (shared by the decode benchmarks)."""
+    p.add_argument("--model", choices=("llama", "qwen3_next"), default="llama",
+                   help="llama: leak-free, decoded by generate_step; qwen3_next: leaking, decoded by BatchGenerator")
+    p.add_argument("--path", choices=("plain", "batched"), default=None,
+                   help="decode loop (default: plain for llama, batched for qwen3_next)")
+    p.add_argument("--layers", type=int, default=None, help="default 4 (llama), 8 (qwen3_next)")
+    p.add_argument("--hidden", type=int, default=0, help="model width (0: tiny's 64-wide config)")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--experts", type=int, default=8, help="qwen3_next routed experts (with --hidden)")
+    p.add_argument("--dtype", default="float32", help="float32 (CPU MoE needs it), bfloat16, float16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("default", "cpu", "gpu"), default="default",
+                   help="MLX device (cpu: the CPU backend, also on a GPU machine)")
+    p.add_argument("--batch", type=int, default=2, help="sequences in the batched path (equal-length prompts)")
+    p.add_argument("--prompt-len", type=int, default=16)
+
+
+def model_defaults(args) -> None:
+    args.layers = args.layers or (4 if args.model == "llama" else 8)
+    args.path = args.path or ("plain" if args.model == "llama" else "batched")
 
 
 def shape_overrides(model_type: str, hidden: int, vocab: int, experts: int) -> dict:
@@ -132,6 +159,19 @@ class EvalCacheWrapper:
         return getattr(self.model, name)
 
 
+class AsyncEvalCacheWrapper(EvalCacheWrapper):
+    """The fix's work without the watchdog: after every ``every``-th forward, schedule
+    (``mx.async_eval``, no wait) every array attribute of every cache layer, the leaking ones
+    included (``ArraysCache.left_padding`` is outside ``state``)."""
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        out = self.model(inputs, cache=cache, **kwargs)
+        self.calls += 1
+        if cache is not None and self.calls % self.every == 0:
+            mx.async_eval([v for c in cache for v in vars(c).values() if isinstance(v, mx.array)])
+        return out
+
+
 def watchdog_for(variant: str) -> Optional[Watchdog]:
     if variant == "watched":
         return Watchdog(export=False)
@@ -165,6 +205,8 @@ class Decode:
             self.fn = EvalCacheWrapper(model, 1)
         elif variant == "every256":
             self.fn = EvalCacheWrapper(model, 256)
+        elif variant == "async16":
+            self.fn = AsyncEvalCacheWrapper(model, 16)
         elif variant in ("unwatched", "aa") or self.wd is not None:
             self.fn = model
         else:
@@ -223,7 +265,9 @@ class Decode:
         self.gc_seconds += GC_CLOCK.seconds - gc_start
         self.seconds += elapsed
         self.chunk_rates.append(produced / elapsed)
-        self.cpu_seconds += time.process_time() - cpu_start
+        cpu = time.process_time() - cpu_start
+        self.cpu_seconds += cpu
+        self.last_chunk = (produced, elapsed, cpu)  # tokens, seconds, process CPU seconds
         self.tokens += produced
         self._paused_at = time.perf_counter()
 
@@ -284,22 +328,33 @@ def _retained(cache) -> int:
 
 
 def interleaved(model, variants: list[str], path: str, prompts, steps: int, chunk: int,
-                seed: int = 0) -> list[Run]:
+                seed: int = 0, on_chunk=None, deadline: Optional[float] = None) -> list[Run]:
     """One repetition: a fresh decode per variant, advanced in turns of ``chunk`` steps. Each
     round runs every variant once, in a fresh random order: no variant always goes first or
     always follows the same one (whatever a turn leaves behind, such as garbage to collect or
-    a cleared allocator cache, lands on a different variant each time)."""
+    a cleared allocator cache, lands on a different variant each time).
+
+    ``on_chunk(round, position, decode)`` is called after each timed chunk. ``deadline`` (a
+    ``time.perf_counter()`` value): no round is started that the last one says would end later."""
     order = random.Random(seed)
     # Built in a random order too: always built first, `unwatched` ran 2-3% faster than the
     # identical `aa` on the H200 (session 3); the cause is not known, the order removes the bias.
     built = {v: Decode(model, v, path, prompts, steps) for v in order.sample(variants, len(variants))}
     decodes = [built[v] for v in variants]
-    done = 0
+    done = round_ = 0
+    round_seconds = 0.0
     while done < steps:
+        if deadline is not None and time.perf_counter() + round_seconds > deadline:
+            break
+        started = time.perf_counter()
         k = min(chunk, steps - done)
-        for d in order.sample(decodes, len(decodes)):
+        for position, d in enumerate(order.sample(decodes, len(decodes))):
             d.timed_chunk(k)
+            if on_chunk is not None:
+                on_chunk(round_, position, d)
         done += k
+        round_ += 1
+        round_seconds = time.perf_counter() - started
     return [d.finish() for d in decodes]
 
 
@@ -307,3 +362,17 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int = 0) -> list[list
     """``batch`` prompts of equal length: the case where BatchGenerator keeps left_padding."""
     return tiny_prompts(batch, length, vocab, seed=seed)
 
+
+def revision() -> str:
+    """The project's git commit (+ "dirty" when the tree has changes), where git can tell; else
+    $MLX_WATCHDOG_REVISION (a copy of the tree without its .git, as on a lent GPU machine)."""
+    fallback = os.environ.get("MLX_WATCHDOG_REVISION", "(no git)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except Exception:
+        return fallback
+    return f"{sha}{'+dirty' if dirty else ''}" if sha else fallback

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The speed targets on a GPU machine (MLX's CUDA backend), each part sized for one 10-minute call.
+# Run from the repository root with mlx (CUDA), mlx-lm, numpy and this project importable
+# (../shared/tools/gpu-prepare readies the wheels), e.g.:
+#
+#   OUT=/some/folder bash benchmarks/gpu_speed.sh long
+#
+# Parts (every chunk is appended to $OUT/<part>.jsonl the moment it ends, so a call cut by its
+# limit keeps what it measured; the markdown report goes to $OUT/<part>.md):
+#   long     the leaking hybrid (48 layers, 36 linear-attention, hidden 2048, 32 experts, bf16)
+#            through BatchGenerator, batch 4, over 10,000 tokens (2,500 steps): unwatched, the A/A
+#            control, the fix, the every-256 hand fix, the synchronous hand fix (~9 minutes)
+#   diag     the same model for 1,200 steps with the diagnostic variants (the fix's work by hand,
+#            watched without the fix) and the per-node cost of evaluating the chains
+#   steady   the leak-free llama (48 layers, hidden 2048, bf16) through generate_step, 2,500 steps:
+#            unwatched, A/A, watched, fix (~5 minutes)
+# Merge calls: python benchmarks/paired_speed.py --report $OUT/long.jsonl other/long.jsonl
+set -euo pipefail
+: "${OUT:?set OUT to the folder for the results}"
+PY=${PYTHON:-python3}
+PART=${1:?part: long, diag or steady}
+BOX=${TIME_BOX:-540}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+QWEN=(--model qwen3_next --layers 48 --hidden 2048 --vocab 32000 --experts 32 --dtype bfloat16 --batch 4 --prompt-len 64)
+LLAMA=(--model llama --layers 48 --hidden 2048 --vocab 32000 --dtype bfloat16 --prompt-len 128)
+bench() { "$PY" benchmarks/paired_speed.py "$@" --jsonl "$OUT/$PART.jsonl" --time-box "$BOX" --out "$OUT/$PART.md" ${EXTRA:-}; }
+
+case "$PART" in
+  long) bench "${QWEN[@]}" --steps 2500 --chunk 16 --variants unwatched,aa,fix,every256,handfix \
+          --compare fix:every256,fix:handfix ;;
+  diag)
+    "$PY" benchmarks/eval_cost.py --out "$OUT/eval_cost.md" ${EXTRA_EVAL:-}
+    bench "${QWEN[@]}" --steps 1200 --chunk 16 --variants unwatched,aa,fix,async16,watched \
+      --compare fix:async16,fix:watched ;;
+  steady) bench "${LLAMA[@]}" --steps 2500 --chunk 25 --variants unwatched,aa,watched,fix ;;
+  *) echo "unknown part $PART (long|diag|steady)" >&2; exit 2 ;;
+esac

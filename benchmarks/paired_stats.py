@@ -1,0 +1,98 @@
+"""Paired speed ratios with bootstrap intervals, from per-chunk records (``paired_speed.py``).
+
+A *round* runs every variant of a repetition once, for one chunk of steps, in a random order, so
+two chunks of the same round are seconds apart and see the same machine. The ratio of variant A to
+variant B is the ratio of their tokens/s summed over the rounds both ran (the speed over the whole
+decode, not a mean of per-chunk ratios). Its interval comes from a bootstrap over rounds,
+stratified by repetition (each resample draws each repetition's rounds from that repetition): the
+machine's drift between repetitions is not mistaken for a difference between variants.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+from typing import Iterable, Optional
+
+import numpy as np
+
+BOOTSTRAP_RESAMPLES = 4000
+
+
+@dataclasses.dataclass
+class Ratio:
+    a: str
+    b: str
+    ratio: float  # tokens/s of a over tokens/s of b, over the rounds both ran
+    low: float  # 95% bootstrap interval
+    high: float
+    rounds: int
+    spread: float  # interquartile range of the per-round ratios (what one chunk says alone)
+
+    def percent(self, value: Optional[float] = None) -> str:
+        return f"{100 * ((self.ratio if value is None else value) - 1):+.2f}%"
+
+    def interval(self) -> str:
+        return f"{self.percent(self.low)} .. {self.percent(self.high)}"
+
+    def excludes_loss(self, loss: float = 0.01) -> bool:
+        """Does the interval exclude a loss of more than ``loss`` (a slowdown of a vs b)?"""
+        return self.low > 1 - loss
+
+    def within(self, band: float = 0.01) -> bool:
+        """Is the whole interval inside +/- ``band``?"""
+        return 1 - band < self.low and self.high < 1 + band
+
+
+def read_records(paths: Iterable[str]) -> list[dict]:
+    """Every JSON line of every file (a run cut by its time box leaves a valid prefix; a torn
+    last line is skipped)."""
+    records = []
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return records
+
+
+def rounds_by_variant(records: list[dict]) -> dict[str, dict[tuple, tuple[float, float]]]:
+    """variant -> {(run, rep, round): (tokens, seconds)} from the chunk records."""
+    table: dict[str, dict[tuple, tuple[float, float]]] = collections.defaultdict(dict)
+    for r in records:
+        if r.get("type") == "chunk":
+            table[r["variant"]][(r["run"], r["rep"], r["round"])] = (r["tokens"], r["seconds"])
+    return table
+
+
+def paired_ratio(table: dict, a: str, b: str, seed: int = 0) -> Optional[Ratio]:
+    """Tokens/s of ``a`` over ``b`` on the rounds both ran, with a stratified bootstrap interval."""
+    keys = sorted(set(table.get(a, {})) & set(table.get(b, {})))
+    if not keys:
+        return None
+    ta = np.array([table[a][k][0] for k in keys], dtype=float)
+    sa = np.array([table[a][k][1] for k in keys], dtype=float)
+    tb = np.array([table[b][k][0] for k in keys], dtype=float)
+    sb = np.array([table[b][k][1] for k in keys], dtype=float)
+
+    def ratio(index: np.ndarray) -> np.ndarray:
+        # rows of ``index`` are resamples; the speed of a over b on each
+        return (ta[index].sum(-1) / sa[index].sum(-1)) / (tb[index].sum(-1) / sb[index].sum(-1))
+
+    rng = np.random.default_rng(seed)
+    strata = collections.defaultdict(list)
+    for i, k in enumerate(keys):
+        strata[k[:2]].append(i)
+    draws = [rng.choice(np.array(members), size=(BOOTSTRAP_RESAMPLES, len(members)))
+             for members in strata.values()]
+    samples = ratio(np.concatenate(draws, axis=1))
+    per_round = (ta / sa) / (tb / sb)
+    q1, q3 = np.percentile(per_round, [25, 75])
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return Ratio(a, b, float(ratio(np.arange(len(keys)))), float(low), float(high), len(keys), float(q3 - q1))
