@@ -255,12 +255,16 @@ class Decode:
                     produced += 1
         return produced
 
-    def timed_chunk(self, steps: int) -> None:
+    def timed_chunk(self, steps: int, sync: bool = True) -> None:
+        """Decode ``steps`` steps, timed. ``sync``: wait for the device at the end, so the chunk
+        pays its own device work; without it (steps interleaved one by one, see paired_speed.py)
+        a step's time is the host's work for it, which is what a host-bound decode runs at."""
         self.attach()
         self._resume_clock()
         start, cpu_start, gc_start = time.perf_counter(), time.process_time(), GC_CLOCK.seconds
         produced = self.advance(steps)
-        mx.synchronize()  # this chunk's device work is paid by this chunk
+        if sync:
+            mx.synchronize()
         elapsed = time.perf_counter() - start
         self.gc_seconds += GC_CLOCK.seconds - gc_start
         self.seconds += elapsed
@@ -328,7 +332,7 @@ def _retained(cache) -> int:
 
 
 def interleaved(model, variants: list[str], path: str, prompts, steps: int, chunk: int,
-                seed: int = 0, on_chunk=None, deadline: Optional[float] = None) -> list[Run]:
+                seed: int = 0, on_chunk=None, deadline: Optional[float] = None, sync: bool = True) -> list[Run]:
     """One repetition: a fresh decode per variant, advanced in turns of ``chunk`` steps. Each
     round runs every variant once, in a fresh random order: no variant always goes first or
     always follows the same one (whatever a turn leaves behind, such as garbage to collect or
@@ -349,7 +353,7 @@ def interleaved(model, variants: list[str], path: str, prompts, steps: int, chun
         started = time.perf_counter()
         k = min(chunk, steps - done)
         for position, d in enumerate(order.sample(decodes, len(decodes))):
-            d.timed_chunk(k)
+            d.timed_chunk(k, sync)
             if on_chunk is not None:
                 on_chunk(round_, position, d)
         done += k

@@ -44,7 +44,11 @@ def parse_args(argv=None):
     add_model_arguments(p)
     p.add_argument("--steps", type=int, default=2500, help="decode steps per variant per repetition")
     p.add_argument("--reps", type=int, default=1, help="repetitions (fresh decodes)")
-    p.add_argument("--chunk", type=int, default=16, help="steps per turn")
+    p.add_argument("--chunk", type=int, default=16, help="steps per turn; with --interleave-steps, steps per "
+                                                          "record (the bootstrap's unit)")
+    p.add_argument("--interleave-steps", action="store_true",
+                   help="variants take turns every step, no device wait between: each step's time is the host's "
+                        "work for it (what a host-bound decode runs at), paired within milliseconds")
     p.add_argument("--variants", default="unwatched,aa,watched,fix", help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--compare", default="", help="extra pairs A:B, comma separated (e.g. fix:every256)")
     p.add_argument("--jsonl", default=None, help="append the per-chunk records here (default: $OUT/chunks.jsonl, "
@@ -99,7 +103,7 @@ def measure(args) -> list[str]:
                     "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
                     "mlx": mx.__version__, "device": str(mx.default_device()), "revision": revision(),
                     "load": os.getloadavg()[0], "variants": args.variants, "steps": args.steps,
-                    "chunk": args.chunk, "model": f"{args.model} {args.layers} layers hidden {args.hidden or 64} "
+                    "chunk": args.chunk, "interleave_steps": args.interleave_steps, "model": f"{args.model} {args.layers} layers hidden {args.hidden or 64} "
                                                   f"{args.dtype} via {args.path}"
                                                   + (f", batch {args.batch}" if args.path == "batched" else "")})
     model = make_model(args.model, args.layers, args.hidden, args.vocab, args.dtype, args.experts, args.seed)
@@ -107,17 +111,29 @@ def measure(args) -> list[str]:
     interleaved(model, args.variants, args.path, prompts, args.warmup, args.warmup)  # one-off costs, untimed
     print(f"built and warmed up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
+    # A record per chunk, or with --interleave-steps per block of `chunk` one-step turns.
+    turn, per_record = (1, args.chunk) if args.interleave_steps else (args.chunk, 1)
     for rep in range(args.reps):
+        block: dict[str, list] = {}
+
         def on_chunk(round_, position, decode, rep=rep):
             tokens, seconds, cpu = decode.last_chunk
-            recorder.write({"type": "chunk", "rep": rep, "round": round_, "position": position,
-                            "variant": decode.variant, "tokens": tokens, "seconds": seconds, "cpu_seconds": cpu})
-            if position == len(args.variants) - 1 and round_ % 10 == 0:
+            sums = block.setdefault(decode.variant, [0, 0.0, 0.0])
+            sums[0] += tokens
+            sums[1] += seconds
+            sums[2] += cpu
+            last_of_round = position == len(args.variants) - 1
+            if last_of_round and ((round_ + 1) % per_record == 0 or (round_ + 1) * turn >= args.steps):
+                for variant, (t, sec, c) in block.items():
+                    recorder.write({"type": "chunk", "rep": rep, "round": round_ // per_record, "variant": variant,
+                                    "tokens": t, "seconds": sec, "cpu_seconds": c})
+                block.clear()
+            if last_of_round and round_ % (10 * per_record) == 0:
                 print(f"rep {rep + 1} round {round_ + 1}: {time.perf_counter() - started:.0f} s",
                       file=sys.stderr, flush=True)
 
-        runs = interleaved(model, args.variants, args.path, prompts, args.steps, args.chunk, seed=rep,
-                           on_chunk=on_chunk, deadline=deadline)
+        runs = interleaved(model, args.variants, args.path, prompts, args.steps, turn, seed=rep,
+                           on_chunk=on_chunk, deadline=deadline, sync=not args.interleave_steps)
         reference = next(r.outputs for r in runs if r.variant == "unwatched")
         for r in runs:
             recorder.write({"type": "end", "rep": rep, "variant": r.variant, "tokens": r.tokens,
@@ -145,7 +161,9 @@ def report(paths: list[str], compare: list[tuple[str, str]], run_filter=None) ->
     variants = list(dict.fromkeys(v for r in runs for v in r["variants"])) or sorted(table)
     lines = []
     for r in runs:
-        lines += [f"- run {r['run']}: {r['model']}, {r['steps']} steps in chunks of {r['chunk']}; {r['machine']}, "
+        turns = (f"turns of one step, no device wait between, records of {r['chunk']}" if r.get("interleave_steps")
+                 else f"turns of {r['chunk']} steps, each ending with the device's work")
+        lines += [f"- run {r['run']}: {r['model']}, {r['steps']} steps in {turns}; {r['machine']}, "
                   f"MLX {r['mlx']} on {r['device']}, mlx-watchdog {r['revision']}, load {r['load']:.1f}",
                   f"  - command: `{r['command']}`"]
     lines += ["", "| variant | vs | tokens/s ratio | 95% interval | per-round IQR | rounds | loss > 1% excluded "

@@ -366,7 +366,7 @@ class Watchdog:
                 walked_pending = self._walk(roots, step, probe_start=probe)
         elif schedule.due(step):
             walked_pending = self._walk(roots, step)
-            if self.fix:
+            if self.fix and fixer.wants_probe():
                 fixer.start_probe(step, self._growth.site_buffers())
         if self.fix and fixer.due(step, last_output):
             self._fix(roots, walked_pending, step)

@@ -14,6 +14,10 @@ from .graph import is_evaluated
 from .introspect import resolve, scan
 
 PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
+# A probe costs a second walk. What the fix cuts per site changes when the program does, not every
+# step: a new series is probed at its first walks, then every PROBE_EVERY-th walk.
+PROBES_FIRST = 8  # the dense walks of a new series (schedule.DENSE_OFFSETS) all probe
+PROBE_EVERY = 4
 FULL_SWEEP_FIXES = 16  # between walks, every 16th fix re-reads every cache array, not only the pending ones
 
 
@@ -59,6 +63,8 @@ class Fixer:
         self.max_objects, self.max_depth = max_objects, max_depth
         self.fixes = 0
         self.probes = 0
+        self.series_probes = 0  # probes since the series began
+        self.walks_unprobed = 0  # walks since the last probe
         self.probe: Optional[tuple] = None  # (step, buffers by site, step it ends)
         self.last_step = 0
         self.fixed_once = False
@@ -69,9 +75,17 @@ class Fixer:
         self.probe = None
         self.last_step = step
         self.fixed_once = False
+        self.series_probes = self.walks_unprobed = 0
+
+    def wants_probe(self) -> bool:
+        """Should the walk just taken start a probe?"""
+        self.walks_unprobed += 1
+        return self.series_probes < PROBES_FIRST or self.walks_unprobed >= PROBE_EVERY
 
     def start_probe(self, step: int, buffers_by_site: dict) -> None:
         self.probes += 1
+        self.series_probes += 1
+        self.walks_unprobed = 0
         self.probe = (step, buffers_by_site, step + PROBE_STEPS[self.probes % len(PROBE_STEPS)])
 
     def end_probe(self, step: int) -> Optional[tuple]:
