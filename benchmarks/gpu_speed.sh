@@ -8,12 +8,13 @@
 # Parts (every chunk is appended to $OUT/<part>.jsonl the moment it ends, so a call cut by its
 # limit keeps what it measured; the markdown report goes to $OUT/<part>.md):
 #   long     the leaking hybrid (48 layers, 36 linear-attention, hidden 2048, 32 experts, bf16)
-#            through BatchGenerator, batch 4, over 10,000 tokens (2,500 steps): unwatched, the A/A
-#            control, the fix, the every-256 hand fix, the synchronous hand fix (~9 minutes)
+#            through BatchGenerator, batch 8, over 10,000 tokens (1,250 steps): unwatched, the A/A
+#            control, the fix, the every-256 hand fix, the synchronous hand fix and the fix's work by
+#            hand, taking one-step turns (~8 minutes)
 #   diag     the same model for 1,200 steps with the diagnostic variants (the fix's work by hand,
 #            watched without the fix) and the per-node cost of evaluating the chains
-#   steady   the leak-free llama (48 layers, hidden 2048, bf16) through generate_step, 2,500 steps:
-#            unwatched, A/A, watched, fix (~5 minutes)
+#   steady   the leak-free llama (48 layers, hidden 2048, bf16) through generate_step, 2 x 2,500
+#            steps: unwatched, A/A, watched, fix, taking one-step turns (~4 minutes)
 # Merge calls: python benchmarks/paired_speed.py --report $OUT/long.jsonl other/long.jsonl
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the results}"
@@ -24,17 +25,17 @@ cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-QWEN=(--model qwen3_next --layers 48 --hidden 2048 --vocab 32000 --experts 32 --dtype bfloat16 --batch 4 --prompt-len 64)
+QWEN=(--model qwen3_next --layers 48 --hidden 2048 --vocab 32000 --experts 32 --dtype bfloat16 --batch 8 --prompt-len 64)
 LLAMA=(--model llama --layers 48 --hidden 2048 --vocab 32000 --dtype bfloat16 --prompt-len 128)
 bench() { "$PY" benchmarks/paired_speed.py "$@" --jsonl "$OUT/$PART.jsonl" --time-box "$BOX" --out "$OUT/$PART.md" ${EXTRA:-}; }
 
 case "$PART" in
-  long) bench "${QWEN[@]}" --steps 2500 --chunk 16 --variants unwatched,aa,fix,every256,handfix \
-          --compare fix:every256,fix:handfix ;;
+  long) bench "${QWEN[@]}" --steps 1250 --chunk 16 --interleave-steps \
+          --variants unwatched,aa,fix,every256,handfix,async16 --compare fix:every256,fix:handfix,fix:async16 ;;
   diag)
     "$PY" benchmarks/eval_cost.py --out "$OUT/eval_cost.md" ${EXTRA_EVAL:-}
     bench "${QWEN[@]}" --steps 1200 --chunk 16 --variants unwatched,aa,fix,async16,watched \
       --compare fix:async16,fix:watched ;;
-  steady) bench "${LLAMA[@]}" --steps 2500 --chunk 25 --variants unwatched,aa,watched,fix ;;
+  steady) bench "${LLAMA[@]}" --steps 2500 --reps 2 --chunk 25 --interleave-steps --variants unwatched,aa,watched,fix ;;
   *) echo "unknown part $PART (long|diag|steady)" >&2; exit 2 ;;
 esac
