@@ -234,10 +234,19 @@ class Decode:
         self.overhead0 = self.wd.overhead_seconds if self.wd else None
 
     def attach(self) -> None:
-        if self.wd is not None:
-            watch_model(self.model, self.wd)
-        else:
+        """Give the shared model this variant's class. A program attaches ``watch_model`` once;
+        re-attaching every turn would make a new watching subclass every step (a new type: its
+        attribute caches start cold), which this benchmark would then charge to the watchdog.
+        So each watched variant keeps the subclass of its first attachment and takes turns by
+        swapping ``__class__``, as unwatched turns do with the original class (benchmark only)."""
+        if self.wd is None:
             unwatch_model(self.model)
+        elif getattr(self, "_watching_class", None) is None:
+            unwatch_model(self.model)
+            watch_model(self.model, self.wd)
+            self._watching_class = type(self.model)
+        else:
+            self.model.__class__ = self._watching_class
 
     def advance(self, steps: int) -> int:
         """Decode ``steps`` steps; returns the tokens produced."""

@@ -25,6 +25,7 @@ within +/-1%. ``--report FILE...`` rebuilds it from the records of one or more r
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -36,7 +37,7 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_variants import (VARIANTS, add_model_arguments, interleaved, make_model, model_defaults,  # noqa: E402
                              prompts_for, revision)
-from paired_stats import paired_ratio, read_records, rounds_by_variant  # noqa: E402
+from paired_stats import STALL_FACTOR, paired_ratio, read_records, rounds_by_variant, stalls  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -166,13 +167,15 @@ def report(paths: list[str], compare: list[tuple[str, str]], run_filter=None) ->
         lines += [f"- run {r['run']}: {r['model']}, {r['steps']} steps in {turns}; {r['machine']}, "
                   f"MLX {r['mlx']} on {r['device']}, mlx-watchdog {r['revision']}, load {r['load']:.1f}",
                   f"  - command: `{r['command']}`"]
-    lines += ["", "| variant | vs | tokens/s ratio | 95% interval | per-round IQR | rounds | loss > 1% excluded "
-              "| within +/-1% | CPU vs unwatched | self-timed | retained at end | tokens identical |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    stalled = stalls(table)
+    lines += ["", "| variant | vs | tokens/s ratio | 95% interval | without stall rounds | 95% interval | per-round IQR "
+              "| rounds | loss > 1% excluded | within +/-1% | CPU vs unwatched | self-timed | retained at end "
+              "| tokens identical |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     pairs = [(v, "unwatched") for v in variants if v != "unwatched"] + list(compare)
     for a, b in pairs:
-        ratio = paired_ratio(table, a, b)
-        if ratio is None:
+        ratio, steady = paired_ratio(table, a, b), paired_ratio(table, a, b, skip=stalled)
+        if ratio is None or steady is None:
             continue
         mine = [e for e in ends if e["variant"] == a]
         base = [e for e in ends if e["variant"] == "unwatched"]
@@ -185,11 +188,17 @@ def report(paths: list[str], compare: list[tuple[str, str]], run_filter=None) ->
                       if timed and b == "unwatched" else "")
         retained = ", ".join(str(e["retained_at_end"]) for e in mine) if b == "unwatched" else ""
         identical = ("yes" if all(e["identical"] for e in mine) else "NO") if mine and b == "unwatched" else ""
-        lines.append(f"| {a} | {b} | {ratio.percent()} | {ratio.interval()} | {100 * ratio.spread:.1f} pp | "
-                     f"{ratio.rounds} | {'yes' if ratio.excludes_loss() else 'no'} | "
-                     f"{'yes' if ratio.within() else 'no'} | {cpu} | {self_timed} | {retained} | {identical} |")
+        lines.append(f"| {a} | {b} | {ratio.percent()} | {ratio.interval()} | {steady.percent()} | "
+                     f"{steady.interval()} | {100 * steady.spread:.1f} pp | {steady.rounds} | "
+                     f"{'yes' if steady.excludes_loss() else 'no'} | {'yes' if steady.within() else 'no'} | "
+                     f"{cpu} | {self_timed} | {retained} | {identical} |")
+    slow = collections.Counter(stalled.values())
     lines += ["", "Ratio: tokens/s of the variant over the reference on the rounds both ran; interval: bootstrap "
-              "over rounds, stratified by repetition; `aa` is the A/A control (its interval should hold 0)."]
+              "over rounds, stratified by repetition; `aa` is the A/A control (its interval should hold 0). "
+              f"Stall rounds: one variant took over {STALL_FACTOR}x the round's median time per token (in one "
+              "process a one-off cost, such as a kernel's first compile for a new shape, falls on whichever variant "
+              "gets there first); the verdicts use the ratio without them. Stall rounds by slow variant: "
+              + (", ".join(f"{v} {n}" for v, n in slow.most_common()) or "none") + "."]
     return "\n".join(lines) + "\n"
 
 

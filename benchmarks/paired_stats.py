@@ -71,9 +71,33 @@ def rounds_by_variant(records: list[dict]) -> dict[str, dict[tuple, tuple[float,
     return table
 
 
-def paired_ratio(table: dict, a: str, b: str, seed: int = 0) -> Optional[Ratio]:
-    """Tokens/s of ``a`` over ``b`` on the rounds both ran, with a stratified bootstrap interval."""
-    keys = sorted(set(table.get(a, {})) & set(table.get(b, {})))
+STALL_FACTOR = 1.5
+
+
+def stalls(table: dict, factor: float = STALL_FACTOR) -> dict[tuple, str]:
+    """Rounds in which one variant took more than ``factor`` times the round's median seconds per
+    token, and which one. In one process, a one-off cost such as the first compile of a kernel
+    for a new shape is paid by whichever variant reaches that shape first: such rounds say
+    nothing about the variants (unless one variant has most of them: the report lists them)."""
+    by_round: dict[tuple, dict[str, float]] = collections.defaultdict(dict)
+    for variant, rounds in table.items():
+        for key, (tokens, seconds) in rounds.items():
+            by_round[key][variant] = seconds / max(tokens, 1)
+    found = {}
+    for key, per_variant in by_round.items():
+        if len(per_variant) < 3:
+            continue
+        median = float(np.median(list(per_variant.values())))
+        slowest = max(per_variant, key=per_variant.get)
+        if per_variant[slowest] > factor * median:
+            found[key] = slowest
+    return found
+
+
+def paired_ratio(table: dict, a: str, b: str, seed: int = 0, skip: Iterable = ()) -> Optional[Ratio]:
+    """Tokens/s of ``a`` over ``b`` on the rounds both ran (less ``skip``), with a stratified
+    bootstrap interval."""
+    keys = sorted((set(table.get(a, {})) & set(table.get(b, {}))) - set(skip))
     if not keys:
         return None
     ta = np.array([table[a][k][0] for k in keys], dtype=float)
