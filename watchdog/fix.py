@@ -11,7 +11,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from .graph import is_evaluated
-from .introspect import resolve, scan
+from .introspect import find_arrays, resolve, scan
 
 PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
 FULL_SWEEP_FIXES = 16  # between walks, every 16th fix re-reads every cache array, not only the pending ones
@@ -20,11 +20,39 @@ FULL_SWEEP_FIXES = 16  # between walks, every 16th fix re-reads every cache arra
 def materialize(obj: Any) -> int:
     """Schedule evaluation of every pending array reachable from ``obj``; how many were scheduled.
 
-    Evaluated arrays are left alone."""
-    pending = [f.array for f in scan(obj).found if not is_evaluated(f.array)]
-    if pending:
-        mx.async_eval(pending)
-    return len(pending)
+    Evaluated arrays are left alone. Never raises: an array that cannot be evaluated here (one
+    made on another thread's stream) is left as it is, and the others are still scheduled."""
+    try:
+        pending = [a for _, a in find_arrays(obj) if not _evaluated(a)]
+        return len(pending) - schedule_evaluation(pending)
+    except Exception:  # nothing of ours may reach the program
+        return 0
+
+
+def schedule_evaluation(arrays: list[mx.array]) -> int:
+    """``mx.async_eval(arrays)``; if MLX refuses the batch, each array alone, so that one bad
+    array costs only itself. Returns how many could not be scheduled."""
+    if not arrays:
+        return 0
+    try:
+        mx.async_eval(arrays)
+        return 0
+    except Exception:
+        pass
+    failed = 0
+    for array in arrays:
+        try:
+            mx.async_eval(array)
+        except Exception:
+            failed += 1
+    return failed
+
+
+def _evaluated(array: mx.array) -> bool:
+    try:
+        return is_evaluated(array)
+    except Exception:  # unknown: scheduling it is harmless, or fails alone
+        return False
 
 
 def evaluated_output(output: Any) -> bool:

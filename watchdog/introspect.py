@@ -223,4 +223,6 @@ def resolve(root: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
             value = rawread.item(value, key)
         else:
             raise LookupError(f"{kind} members cannot be re-resolved")
+    if info(type(value)).kind != ARRAY:  # the structure changed: what is there now is not ours to read
+        raise LookupError("no array at this path now")
     return value
