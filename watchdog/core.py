@@ -494,7 +494,7 @@ class Watchdog:
         try:
             pending = fixer.pending(roots, walked_pending, self._growth.growing, sweep)
             if pending:
-                failed = schedule_evaluation(pending)
+                failed = schedule_evaluation(pending, mx.async_eval)
         except Exception as exc:  # counted and logged; the decode goes on
             self._internal_error("materialize", exc)
             return
@@ -503,12 +503,18 @@ class Watchdog:
             # would starve the walks (measured: none after step 97 of 2,000 at fix_every=1) and
             # leave the metrics stale. It still counts in overhead_seconds.
             self._schedule.spent -= time.perf_counter() - fix_started
+        if failed:
+            with self._lock:
+                self.fix_failures += failed
+            self._warn_once("fix", "mlx-watchdog: the fix could not schedule %d pending arrays (counted in "
+                            "fix_failures; the others were scheduled)", failed)
+            if failed == len(pending):  # nothing was scheduled, so nothing is fixed
+                return
         with self._lock:
             growth = self._growth
             # What the cut chains would have kept: the growth the probes measured, per step.
             per_step = growth.probed if growth.probed is not None else max(0.0, growth.rate)
             self.materialized_arrays += len(pending) - failed
-            self.fix_failures += failed
             if pending:
                 self.reclaimed_buffers += per_step * (step - fixer.last_step)
             fixer.last_step = step

@@ -6,7 +6,7 @@ device work runs later, and the program waits on nothing it did not wait on befo
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
@@ -29,20 +29,20 @@ def materialize(obj: Any) -> int:
         return 0
 
 
-def schedule_evaluation(arrays: list[mx.array]) -> int:
-    """``mx.async_eval(arrays)``; if MLX refuses the batch, each array alone, so that one bad
+def schedule_evaluation(arrays: list[mx.array], async_eval: Callable = mx.async_eval) -> int:
+    """``async_eval(arrays)``; if MLX refuses the batch, each array alone, so that one bad
     array costs only itself. Returns how many could not be scheduled."""
     if not arrays:
         return 0
     try:
-        mx.async_eval(arrays)
+        async_eval(arrays)
         return 0
     except Exception:
         pass
     failed = 0
     for array in arrays:
         try:
-            mx.async_eval(array)
+            async_eval(array)
         except Exception:
             failed += 1
     return failed

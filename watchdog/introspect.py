@@ -110,7 +110,10 @@ class _Walk:
             if kind == ARRAY:
                 if id(value) not in seen:
                     seen.add(id(value))
-                    found.append(Found(path or "<root>", site, value, steps, root))
+                    if rawread.usable_array(value):
+                        found.append(Found(path or "<root>", site, value, steps, root))
+                    else:
+                        self.skip("error", path, t.name, "an mx.array never initialized")
                 continue
             if id(value) in seen:
                 continue
@@ -178,18 +181,21 @@ class _Walk:
             self.skip("huge", path, t.name, f"more than {MAX_ITEMS:,} attributes")
             return out
         self.items += len(attrs)
-        for key, step, child in attrs:
+        for pos, (key, step, child) in enumerate(attrs):
             ct = info(type(child))
             if ct.kind <= OPAQUE:
                 continue
             name = code_name(key)
-            child_path = (f"{path}.{name}" if path else name) if name else f"{path}.<attr>"
+            child_path = (f"{path}.{name}" if path else name) if name else f"{path}.<attr {pos}>"
             out.append((child, ct, child_path, _site(t, name), ("attr", step)))
-        if t.hidden_dict:
-            for child in rawread.hidden_values(value):
-                ct = info(type(child))
-                if ct.kind > OPAQUE:
-                    out.append((child, ct, f"{path}.<hidden>", f"{t.name}.<hidden>", ("hidden", None)))
+        hidden = rawread.hidden_values(value, MAX_ITEMS) if t.hidden_dict else []
+        if hidden is None:
+            self.skip("huge", path, t.name, f"more than {MAX_ITEMS:,} members")
+            return out
+        for pos, child in enumerate(hidden):
+            ct = info(type(child))
+            if ct.kind > OPAQUE:
+                out.append((child, ct, f"{path}.<hidden {pos}>", f"{t.name}.<hidden>", ("hidden", None)))
         return out
 
     def skip(self, reason: str, path: str, what: str, detail: str) -> None:

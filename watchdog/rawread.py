@@ -158,11 +158,25 @@ def attributes(value: Any, t: TypeInfo, limit: int) -> Optional[list[tuple[str, 
     return out
 
 
-def hidden_values(value: Any) -> list[Any]:
+def hidden_values(value: Any, limit: int) -> Optional[list[Any]]:
     """The values of an instance ``__dict__`` hidden behind a property: what the garbage
-    collector sees the object hold (C code, no names), less its class."""
+    collector sees the object hold (C code, no names), less its class; None past ``limit``."""
     cls = type(value)
-    return [v for v in gc.get_referents(value) if v is not cls]
+    held = gc.get_referents(value)
+    return None if len(held) > limit else [v for v in held if v is not cls]
+
+
+_ndim = mx.array.__dict__["ndim"].__get__
+
+
+def usable_array(value: Any) -> bool:
+    """Is this array's C++ object there? A subclass whose ``__init__`` skips ``mx.array``'s
+    makes every MLX call that gets it fail (one such array would fail a whole graph export)."""
+    try:
+        _ndim(value)
+        return True
+    except Exception:
+        return False
 
 
 def item(container: Any, key: Any) -> Any:
