@@ -105,7 +105,7 @@ class TypeInfo:
                     # The first builtin one of this class's own line: a property named __dict__
                     # is user code, a descriptor copied from another class does not apply.
                     if self.attrs_dict is None and (kind is _GETSET or kind is _MEMBER) \
-                            and issubclass(cls, value.__objclass__):
+                            and _derives(cls, value.__objclass__):
                         self.attrs_dict = value
                 elif kind is _MEMBER and name != "__weakref__" and all(value is not s for _, s in slots):
                     slots.append((name, value))  # a slot a subclass shadows is still read
@@ -114,6 +114,12 @@ class TypeInfo:
                     self.keys_are_names = True
         self.slots = tuple(slots)
         self.hidden_dict = self.attrs_dict is None and _dict_offset(cls) != 0
+
+
+def _derives(cls: type, base: Any) -> bool:
+    # Not issubclass(): with a class of the program as its second argument it calls that class's
+    # metaclass's __subclasscheck__.
+    return any(klass is base for klass in _mro(cls))
 
 
 _types: dict[int, TypeInfo] = {}  # by id: hashing a class could run its metaclass's __hash__
