@@ -357,7 +357,7 @@ def test_the_walk_stops_looking_once_its_item_budget_is_spent(monkeypatch):
     first, second = mx.array(1), mx.array(2)
     roots = [[first] + [0] * 600, [second] + [0] * 600]  # 601 + 601 items: the second does not fit
     result = scan(roots)
-    assert [f.array for f in result.found] == [first]
+    assert [id(f.array) for f in result.found] == [id(first)]
     assert result.cut == {"items": 1}
 
 
@@ -498,7 +498,45 @@ def test_an_array_that_cannot_be_evaluated_here_costs_only_itself():
 def test_an_array_never_initialized_is_skipped_alone():
     roots = [NeverInitialized(), mx.array(1) + 1]
     result = scan(roots)
-    assert [f.array for f in result.found] == [roots[1]] and result.cut == {"error": 1}
+    assert [id(f.array) for f in result.found] == [id(roots[1])] and result.cut == {"error": 1}
     wd = Watchdog(limit=10**6, export=False)
     wd.observe(roots)
     assert wd.walks == 1 and wd.internal_errors == 0 and wd.forecast().resident_buffers == 2
+
+
+def test_more_than_1024_arrays_are_read_exactly_through_observe():
+    # mx.export_to_dot takes at most 1,024 keyword arguments: 3,000 arrays are walked in batches.
+    import exact_buffers
+    from support import missing
+
+    class Layer:
+        def __init__(self, i):
+            self.keys = mx.array([i, i])  # evaluated: 1 buffer
+            self.offset = mx.array(i) + 1  # pending: holds mx.array(i) and the 1, 2 buffers
+            mx.eval(self.keys)
+
+        def step(self):
+            self.offset = self.offset - 1  # strands one more scalar
+
+    try:
+        counter = exact_buffers.install()
+    except RuntimeError as exc:
+        counter = None
+        reason = f"the exact live-buffer counter cannot be installed: {exc}"
+    wd = Watchdog(limit=10**7, export=False, overhead_budget=1.0, walk_interval=0)
+    baseline = counter.live(collect=True) if counter else 0
+    layers = [Layer(i) for i in range(1500)]
+    readings = []
+    for step in range(8):  # a new decode is walked densely at first (schedule.py)
+        wd.observe(layers)
+        if wd.forecast().measured_step == wd.steps:
+            truth = counter.live() - baseline if counter else None
+            readings.append((step, wd.forecast().resident_buffers, truth))
+        for layer in layers:
+            layer.step()
+    assert wd.internal_errors == 0 and len(readings) >= 3, (readings, wd.walks)
+    assert [r for _, r, _ in readings] == [4500 + 1500 * step for step, _, _ in readings]  # by construction
+    assert wd.forecast().buffers_per_step == 1500
+    if counter is None:
+        missing(reason)
+    assert [t for _, _, t in readings] == [r for _, r, _ in readings]  # and by MLX's allocator
