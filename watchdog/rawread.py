@@ -150,12 +150,11 @@ def attributes(value: Any, t: TypeInfo, limit: int) -> Optional[list[tuple[str, 
     """(name, step key, value) of each entry of the instance ``__dict__`` and each set slot (the
     step key of a slot is its descriptor: a subclass may reuse its name); None past ``limit``."""
     out = []
-    if t.attrs_dict is not None:
-        attrs = t.attrs_dict.__get__(value, t.cls)
-        if issubclass(type(attrs), dict):  # may be a dict subclass, read as a dict
-            if dict.__len__(attrs) > limit:
-                return None
-            out.extend((key, key, child) for key, child in dict.items(attrs))
+    attrs = _instance_dict(value, t)
+    if attrs is not None:
+        if dict.__len__(attrs) > limit:
+            return None
+        out.extend((key, key, child) for key, child in dict.items(attrs))
     for name, slot in t.slots:
         try:
             out.append((name, slot, slot.__get__(value, t.cls)))
@@ -210,13 +209,18 @@ def attribute(value: Any, step: Any) -> Any:
     t = info(type(value))
     if type(step) is _MEMBER:
         return step.__get__(value, t.cls)
-    if t.attrs_dict is not None:
-        attrs = t.attrs_dict.__get__(value, t.cls)
-        if issubclass(type(attrs), dict):
-            found = dict.get(attrs, step, _MISSING)
-            if found is not _MISSING:
-                return found
-    raise AttributeError("no such attribute")
+    attrs = _instance_dict(value, t)
+    found = _MISSING if attrs is None else dict.get(attrs, step, _MISSING)
+    if found is _MISSING:
+        raise AttributeError("no such attribute")
+    return found
+
+
+def _instance_dict(value: Any, t: TypeInfo) -> Optional[dict]:
+    if t.attrs_dict is None:
+        return None
+    attrs = t.attrs_dict.__get__(value, t.cls)
+    return attrs if issubclass(type(attrs), dict) else None  # may be a dict subclass: read as a dict
 
 
 _MISSING = object()
