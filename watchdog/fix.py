@@ -30,22 +30,19 @@ def materialize(obj: Any) -> int:
 
 
 def schedule_evaluation(arrays: list[mx.array], async_eval: Callable = mx.async_eval) -> int:
-    """``async_eval(arrays)``; if MLX refuses the batch, each array alone, so that one bad
-    array costs only itself. Returns how many could not be scheduled."""
+    """``async_eval(arrays)``; where MLX refuses a group, each half of it again, so that a bad
+    array costs only itself (and a few calls: ~2 log2(n) for one among n). Returns how many
+    arrays could not be scheduled. ``async_eval``: the caller's (tests watch core's calls)."""
     if not arrays:
         return 0
     try:
         async_eval(arrays)
         return 0
     except Exception:
-        pass
-    failed = 0
-    for array in arrays:
-        try:
-            async_eval(array)
-        except Exception:
-            failed += 1
-    return failed
+        if len(arrays) == 1:
+            return 1
+    half = len(arrays) // 2
+    return schedule_evaluation(arrays[:half], async_eval) + schedule_evaluation(arrays[half:], async_eval)
 
 
 def _evaluated(array: mx.array) -> bool:
