@@ -472,9 +472,11 @@ def test_mlx_error_while_materializing_is_counted_not_raised(watching, monkeypat
     caplog.set_level(logging.WARNING, logger="mlx_watchdog")
     got = batched_decode(m, PROMPTS, 40)
     assert calls, "the fix never tried to materialize"
-    assert wd.internal_errors == len(calls)
+    # A refused group is retried by halves down to single arrays: each that fails is counted, none raised.
+    assert wd.fix_failures == sum(len(args[0]) == 1 for args in calls) > 0
+    assert wd.internal_errors == 0
     assert wd.materialized_arrays == 0
-    assert any("internal error" in r.getMessage() for r in caplog.records if r.name == "mlx_watchdog")
+    assert any("could not schedule" in r.getMessage() for r in caplog.records if r.name == "mlx_watchdog")
     assert_identical(expected, got)
     # Nothing was fixed, and the forecast does not pretend otherwise.
     assert wd.forecast().buffers_per_step == pytest.approx(LEAK_RATE, rel=0.05)

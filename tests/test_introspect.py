@@ -68,7 +68,7 @@ def test_opaque_objects_and_hostile_access_do_not_break_the_walk():
     roots = [math, len, int, print, HostileDict(), Exploding(), (x for x in range(3))]
     result = scan(roots)
     assert [f.path for f in result.found] == ["[5].ok"]
-    assert result.cut.get("error", 0) == 1  # the hostile __dict__ is reported, not raised
+    assert result.cut == {}  # the hostile __dict__ property is never called, so nothing fails
 
 
 def test_deep_and_wide_graphs_are_bounded_and_reported():

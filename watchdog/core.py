@@ -28,12 +28,13 @@ from mlx.utils import tree_flatten
 
 from . import forecast as fc
 from .actions import ResourceLimitForecast, Warnings, remedy
-from .fix import Fixer, evaluated_output, resolvable
+from .fix import Fixer, evaluated_output, resolvable, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth
 from .introspect import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
 from .options import (checked_bool, checked_fraction, checked_name, checked_positive_int, checked_steps,
                       checked_walk_interval)
+from .rawread import type_name
 from .sampling import Sampler, warm_up
 from .schedule import Schedule
 from .scope import Scope, member_of
@@ -141,6 +142,7 @@ class Watchdog:
         self.steps = 0
         self.overhead_seconds = 0.0
         self.materialized_arrays = 0
+        self.fix_failures = 0  # pending arrays the fix could not schedule (made on another thread's stream...)
         self.reclaimed_buffers = 0.0
         self.internal_errors = 0
         self.walks = 0
@@ -331,7 +333,8 @@ class Watchdog:
         # the CPU's caches cold: there every Python call and every object touched costs (measured
         # on a 48-layer CPU decode: 35-41 us a step with the checks in helpers, 13-15 us as here,
         # 1-2 us in a hot loop). So a step that neither walks nor fixes runs this function alone.
-        if isinstance(roots, (list, tuple)) and roots:  # its first, middle and last items
+        cls = type(roots)  # exact types: a subclass's len() or [] would run the program's code
+        if (cls is list or cls is tuple) and roots:  # its first, middle and last items
             anchor = roots[0]
             ids = (id(roots), len(roots), id(anchor), id(roots[len(roots) // 2]), id(roots[-1]))
         else:
@@ -386,7 +389,7 @@ class Watchdog:
         self._root_ids = ids
         self._fixer.paths = self._fixer.pending_paths = None
         try:  # arrays are rebound every step, and some objects take no weak reference
-            self._anchor_ref = None if isinstance(anchor, mx.array) else weakref.ref(anchor)
+            self._anchor_ref = None if issubclass(type(anchor), mx.array) else weakref.ref(anchor)
         except TypeError:
             self._anchor_ref = None
         return True
@@ -417,13 +420,13 @@ class Watchdog:
         t0 = time.perf_counter()
         others = self._scope.others() if roots is not None else self._scope.members()
         roots = () if roots is None else roots
-        result = scan_all([(roots, "")] + [(c, f"<{type(c).__name__}#{k}>") for k, c in enumerate(others)],
+        result = scan_all([(roots, "")] + [(c, f"<{type_name(c)}#{k}>") for k, c in enumerate(others)],
                           max_objects=self.max_objects, max_depth=self.max_depth)
         root_keys = [0] + [id(c) for c in others]  # ids name the other caches while they live
         members = [None] + others
         self._empty_walks = 0 if result.found else self._empty_walks + 1
         if self._empty_walks == 3:  # a fresh cache is empty on its first step; three in a row is not
-            self._warn_once("empty", "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)", type(roots).__name__)
+            self._warn_once("empty", "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)", type_name(roots))
         if result.truncated:
             self._warn_once("cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut)
         found = result.found
@@ -487,10 +490,11 @@ class Watchdog:
              sweep: bool = False) -> None:
         fixer = self._fixer
         fix_started = time.perf_counter()
+        failed = 0
         try:
             pending = fixer.pending(roots, walked_pending, self._growth.growing, sweep)
             if pending:
-                mx.async_eval(pending)
+                failed = schedule_evaluation(pending, mx.async_eval)
         except Exception as exc:  # counted and logged; the decode goes on
             self._internal_error("materialize", exc)
             return
@@ -499,11 +503,18 @@ class Watchdog:
             # would starve the walks (measured: none after step 97 of 2,000 at fix_every=1) and
             # leave the metrics stale. It still counts in overhead_seconds.
             self._schedule.spent -= time.perf_counter() - fix_started
+        if failed:
+            with self._lock:
+                self.fix_failures += failed
+            self._warn_once("fix", "mlx-watchdog: the fix could not schedule %d pending arrays (counted in "
+                            "fix_failures; the others were scheduled)", failed)
+            if failed == len(pending):  # nothing was scheduled, so nothing is fixed
+                return
         with self._lock:
             growth = self._growth
             # What the cut chains would have kept: the growth the probes measured, per step.
             per_step = growth.probed if growth.probed is not None else max(0.0, growth.rate)
-            self.materialized_arrays += len(pending)
+            self.materialized_arrays += len(pending) - failed
             if pending:
                 self.reclaimed_buffers += per_step * (step - fixer.last_step)
             fixer.last_step = step

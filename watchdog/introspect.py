@@ -2,47 +2,40 @@
 
 A *path* is where one array lives, from the root: ``"[7].left_padding"``, ``"meta['pos']"``.
 A *site* groups paths over layers by the class that owns the attribute:
-``"ArraysCache.left_padding"``. Sites come from class and attribute names only, never from
-data, so they stay few (they become a Prometheus label).
+``"ArraysCache.left_padding"``. Sites and paths carry code names only: class and attribute
+names, positions, and the keys of a plain ``dict`` or an ``nn.Module`` when they look like
+identifiers. Any other key is a placeholder (``[<key 3>]``): keys are often data (user names,
+prompts), and sites become a Prometheus label.
 
-The walk reads ``__dict__`` entries and ``__slots__`` directly: properties are never invoked
-(a property such as ``LayerCache.state`` builds new arrays each time it is read).
-It is iterative and bounded, so cycles, deep or wide graphs and hostile objects cannot hang it.
+The walk reads objects through their types only (``rawread.py``): no property, ``__getattr__``,
+``__iter__``, ``__repr__``, ``__eq__`` or ``__hash__`` of the program runs, so nothing walked can
+raise, block or change state. It is iterative and bounded (depth, objects, items per container
+and per walk), so cycles, deep, wide or huge graphs cannot hang it; what a bound cuts is counted
+in ``Scan.cut``, by reason.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import types
-from typing import Any, Iterator
+import logging
+from typing import Any
 
 import mlx.core as mx
 
+from . import rawread
+from .rawread import ARRAY, ATOM, DICT, OBJECT, OPAQUE, SEQUENCE, SET, code_name, info
+
+logger = logging.getLogger("mlx_watchdog")
+
 MAX_OBJECTS = 100_000
 MAX_DEPTH = 64
+MAX_ITEMS = 100_000  # a container with more is skipped whole (a vocabulary, a token list)
+MAX_WALK_ITEMS = 1_000_000  # items looked at in one walk, over all its containers
 MAX_SITE_LEN = 80
-
-# Never descended into: values that cannot hold arrays, and code/library objects that are not data.
-_ATOMS = (str, bytes, bytearray, memoryview, int, float, complex, bool, range, type(None))
-_OPAQUE = (
-    type,
-    types.ModuleType,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.BuiltinMethodType,
-    types.CodeType,
-    types.FrameType,
-    types.GeneratorType,
-    types.CoroutineType,
-    types.TracebackType,
-    mx.Dtype,
-    mx.Device,
-    mx.Stream,
-)
-_SEQUENCES = (list, tuple, collections.deque)
-_SETS = (set, frozenset)
+MAX_SKIPPED = 16  # containers named in Scan.skipped
+_logged: set = set()  # (reason, class) already logged: a walk repeats every few steps
+MAX_LOGGED = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +45,8 @@ class Found:
     path: str
     site: str
     array: mx.array
-    # How to reach it again from the root without a new walk: ("attr", name) or ("item", key).
+    # How to reach it again from the root without a new walk: ("attr", name or slot
+    # descriptor), ("item", key or position), or ("set"/"hidden", None): not re-resolvable.
     steps: tuple[tuple[str, Any], ...]
     root: int = 0  # which of the roots given to scan_all it was found from
 
@@ -63,7 +57,10 @@ class Scan:
 
     found: list[Found]
     objects: int
-    cut: dict[str, int]  # reason ("depth", "objects", "error") -> how many objects were not walked
+    # reason -> how many objects were not walked: "depth", "objects", "huge" (a container of
+    # more than MAX_ITEMS), "items" (the walk's MAX_WALK_ITEMS spent), "error" (unreadable)
+    cut: dict[str, int]
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "path (what, why)", the first few
 
     @property
     def truncated(self) -> bool:
@@ -71,7 +68,8 @@ class Scan:
 
 
 def find_arrays(obj: Any) -> list[tuple[str, mx.array]]:
-    """Every ``mx.array`` reachable from ``obj``, each once, with its path from ``obj``."""
+    """Every ``mx.array`` reachable from ``obj``, each once, with its path from ``obj``.
+    Never raises: what a bound or an unreadable object cut off is left out (``scan`` counts it)."""
     return [(f.path, f.array) for f in scan(obj).found]
 
 
@@ -83,130 +81,154 @@ def scan(obj: Any, *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH
 def scan_all(roots: list[tuple[Any, str]], *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH) -> Scan:
     """Walk several roots, each ``(object, path prefix)``, as one: an array reachable from two
     of them is found once. ``Found.root`` is the index of the root it was found from."""
-    found: list[Found] = []
-    seen: set[int] = set()
-    cut: collections.Counter[str] = collections.Counter()
-    objects = 0
-    # Stack entries: (object, path, site, steps, depth, root). Reversed pushes keep natural order.
-    stack: list[tuple[Any, str, str, tuple, int, int]] = [
-        (obj, prefix, "root", (), 0, i) for i, (obj, prefix) in reversed(list(enumerate(roots)))]
-    while stack:
-        value, path, site, steps, depth, root = stack.pop()
-        if isinstance(value, mx.array):
-            if id(value) not in seen:
-                seen.add(id(value))
-                found.append(Found(path or "<root>", site, value, steps, root))
-            continue
-        if isinstance(value, _ATOMS) or isinstance(value, _OPAQUE):
-            continue
-        if id(value) in seen:
-            continue
-        if depth >= max_depth:
-            cut["depth"] += 1
-            continue
-        if objects >= max_objects:
-            cut["objects"] += 1 + len(stack)
-            break
-        seen.add(id(value))
-        objects += 1
-        try:
-            children = list(_children(value, path, site))
-        except Exception:  # a hostile __dict__, a container mutated by another thread, ...
-            cut["error"] += 1
-            continue
-        for child, child_path, child_site, step in reversed(children):
-            stack.append((child, child_path, child_site, steps + (step,), depth + 1, root))
-    return Scan(found, objects, dict(cut))
+    walk = _Walk(max_objects, max_depth)
+    try:
+        walk.run(roots)
+    except Exception as exc:  # a bug of ours: what was found so far stands
+        walk.skip("error", "", "the walk", type(exc).__name__)
+    return Scan(walk.found, walk.objects, dict(walk.cut), walk.skipped)
 
 
-def _children(value: Any, path: str, site: str) -> Iterator[tuple[Any, str, str, tuple]]:
-    """(child, path, site, step) for each direct child of a container or object."""
-    if isinstance(value, dict):
-        owner = type(value)
-        for key, child in list(value.items()):
-            if owner is dict:
-                child_site = _dict_site(site, key)
-            else:  # a dict subclass such as nn.Module: its keys are its attributes
-                child_site = _attr_site(owner, key)
-            yield child, f"{path}[{_short_repr(key)}]", child_site, ("item", key)
-    elif isinstance(value, _SEQUENCES):
-        for i, child in enumerate(list(value)):
-            yield child, f"{path}[{i}]", site, ("item", i)
-    elif isinstance(value, _SETS):
-        for child in list(value):  # no stable key: reachable, not re-resolvable
-            yield child, f"{path}{{}}", site, ("set", None)
-    if isinstance(value, (_SEQUENCES, _SETS)) or type(value) is dict:
-        return
-    owner = type(value)
-    attrs = _instance_dict(value)
-    for name, child in attrs.items():
-        yield child, _join(path, name), _attr_site(owner, name), ("attr", name)
-    for name in _slot_names(owner):
-        if name in attrs or name in ("__dict__", "__weakref__"):
-            continue
-        try:
-            child = object.__getattribute__(value, name)
-        except AttributeError:  # an unset slot
-            continue
-        yield child, _join(path, name), _attr_site(owner, name), ("attr", name)
+class _Walk:
+    def __init__(self, max_objects: int, max_depth: int) -> None:
+        self.max_objects, self.max_depth = max_objects, max_depth
+        self.found: list[Found] = []
+        self.cut: collections.Counter[str] = collections.Counter()
+        self.skipped: list[str] = []
+        self.objects = 0
+        self.items = 0
+
+    def run(self, roots: list[tuple[Any, str]]) -> None:
+        found, seen, max_depth = self.found, set(), self.max_depth
+        # Stack entries: (object, its type's info, path, site, steps, depth, root). Reversed
+        # pushes keep natural order.
+        stack = [(obj, info(type(obj)), prefix, "root", (), 0, i)
+                 for i, (obj, prefix) in reversed(list(enumerate(roots)))]
+        while stack:
+            value, t, path, site, steps, depth, root = stack.pop()
+            kind = t.kind
+            if kind == ARRAY:
+                if id(value) not in seen:
+                    seen.add(id(value))
+                    if rawread.usable_array(value):
+                        found.append(Found(path or "<root>", site, value, steps, root))
+                    else:
+                        self.skip("error", path, t.name, "an mx.array never initialized")
+                continue
+            if id(value) in seen:
+                continue
+            if depth >= max_depth:
+                self.cut["depth"] += 1
+                continue
+            if self.objects >= self.max_objects:
+                self.cut["objects"] += 1 + len(stack)
+                break
+            seen.add(id(value))
+            self.objects += 1
+            try:
+                children = self.children(value, t, path, site)
+            except Exception as exc:  # a container mutated by another thread, a C descriptor that fails
+                self.skip("error", path, t.name, type(exc).__name__)
+                continue
+            for child, ct, child_path, child_site, step in reversed(children):
+                stack.append((child, ct, child_path, child_site, steps + (step,), depth + 1, root))
+
+    def children(self, value: Any, t: rawread.TypeInfo, path: str, site: str) -> list[tuple]:
+        """(child, its type info, path, site, step) for each child that may hold arrays."""
+        if t.kind == OBJECT:
+            return self.members(value, t, path, site)
+        size = t.length(value)
+        if size > MAX_ITEMS or self.items + size > MAX_WALK_ITEMS:
+            self.skip("huge" if size > MAX_ITEMS else "items", path, t.name, f"{size:,} items")
+            return []
+        self.items += size
+        out = []
+        contents = t.snapshot(value)  # a copy made in C: another thread cannot change it under us
+        if t.kind == SEQUENCE:
+            for i, child in enumerate(contents):
+                ct = info(type(child))
+                if ct.kind > OPAQUE:
+                    out.append((child, ct, f"{path}[{i}]", site, ("item", i)))
+        elif t.kind == SET:
+            for child in contents:  # no stable key: reachable, not re-resolvable
+                ct = info(type(child))
+                if ct.kind > OPAQUE:
+                    out.append((child, ct, f"{path}{{}}", site, ("set", None)))
+        else:
+            plain = t.cls is dict
+            for pos, (key, child) in enumerate(contents):
+                ct = info(type(child))
+                if ct.kind <= OPAQUE:
+                    continue
+                name = code_name(key) if plain or t.keys_are_names else None
+                child_path = f"{path}[{name!r}]" if name else f"{path}[<key {pos}>]"
+                if t.keys_are_names:  # nn.Module: its keys are its attributes
+                    child_site = _site(t, name)
+                elif site == "root":  # a root dict names its keys (structure); below, the attribute does
+                    child_site = f"dict.{name}" if name else f"{t.name}[]"
+                else:
+                    child_site = site
+                out.append((child, ct, child_path, child_site, ("item", key)))
+        if t.kind == DICT and t.cls is not dict:
+            out.extend(self.members(value, t, path, site))  # a subclass may have attributes too
+        return out
+
+    def members(self, value: Any, t: rawread.TypeInfo, path: str, site: str) -> list[tuple]:
+        """The instance dict and slots of an object, and what a hidden __dict__ holds."""
+        out = []
+        attrs = rawread.attributes(value, t, MAX_ITEMS)
+        if attrs is None:
+            self.skip("huge", path, t.name, f"more than {MAX_ITEMS:,} attributes")
+            return out
+        self.items += len(attrs)
+        for pos, (key, step, child) in enumerate(attrs):
+            ct = info(type(child))
+            if ct.kind <= OPAQUE:
+                continue
+            name = code_name(key)
+            child_path = (f"{path}.{name}" if path else name) if name else f"{path}.<attr {pos}>"
+            out.append((child, ct, child_path, _site(t, name), ("attr", step)))
+        hidden = rawread.hidden_values(value, MAX_ITEMS) if t.hidden_dict else []
+        if hidden is None:
+            self.skip("huge", path, t.name, f"more than {MAX_ITEMS:,} members")
+            return out
+        for pos, child in enumerate(hidden):
+            ct = info(type(child))
+            if ct.kind > OPAQUE:
+                out.append((child, ct, f"{path}.<hidden {pos}>", f"{t.name}.<hidden>", ("hidden", None)))
+        return out
+
+    def skip(self, reason: str, path: str, what: str, detail: str) -> None:
+        self.cut[reason] += 1
+        where = f"{path or '<root>'} ({what}: {detail})"
+        if len(self.skipped) < MAX_SKIPPED:
+            self.skipped.append(where)
+        if (reason, what) not in _logged and len(_logged) < MAX_LOGGED:
+            _logged.add((reason, what))
+            logger.warning("mlx-watchdog: not walked (%s): %s", _REASONS[reason], where)
+
+
+_REASONS = {  # why a container was not walked, as logged
+    "huge": f"a container of more than {MAX_ITEMS:,} items",
+    "items": f"the walk looked at {MAX_WALK_ITEMS:,} items already",
+    "error": "it could not be read",
+}
+
+
+def _site(owner: rawread.TypeInfo, name: Any) -> str:
+    return f"{owner.name}.{name}"[:MAX_SITE_LEN] if name else f"{owner.name}[]"
 
 
 def resolve(root: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
-    """Follow the access steps recorded by :func:`scan` from ``root`` (no walk, no properties)."""
+    """Follow the access steps recorded by :func:`scan` from ``root`` (no walk, no user code)."""
     value = root
     for kind, key in steps:
         if kind == "attr":
-            attrs = _instance_dict(value)
-            value = attrs[key] if key in attrs else object.__getattribute__(value, key)
+            value = rawread.attribute(value, key)
         elif kind == "item":
-            value = value[key]
+            value = rawread.item(value, key)
         else:
-            raise LookupError("set members cannot be re-resolved")
+            raise LookupError(f"{kind} members cannot be re-resolved")
+    if info(type(value)).kind != ARRAY:  # the structure changed: what is there now is not ours to read
+        raise LookupError("no array at this path now")
     return value
-
-
-def _instance_dict(value: Any) -> dict:
-    try:
-        attrs = object.__getattribute__(value, "__dict__")
-    except AttributeError:
-        return {}
-    return dict(attrs) if isinstance(attrs, dict) else {}
-
-
-_slot_cache: dict[type, tuple[str, ...]] = {}
-
-
-def _slot_names(cls: type) -> tuple[str, ...]:
-    names = _slot_cache.get(cls)
-    if names is None:
-        collected: list[str] = []
-        for klass in cls.__mro__:
-            slots = klass.__dict__.get("__slots__", ())
-            if isinstance(slots, str):
-                slots = (slots,)
-            collected.extend(s for s in slots if s not in collected)
-        names = _slot_cache[cls] = tuple(collected)
-    return names
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-def _attr_site(owner: type, name: Any) -> str:
-    return f"{owner.__name__}.{name}"[:MAX_SITE_LEN] if isinstance(name, str) else f"{owner.__name__}[]"
-
-
-def _dict_site(site: str, key: Any) -> str:
-    # A plain dict below an attribute keeps the attribute's site; a root dict names its keys only
-    # when they look like identifiers (program structure, not data).
-    if site != "root":
-        return site
-    if isinstance(key, str) and key.isidentifier() and len(key) <= 40:
-        return f"dict.{key}"
-    return "dict[]"
-
-
-def _short_repr(key: Any) -> str:
-    text = repr(key)
-    return text if len(text) <= 40 else text[:37] + "..."

@@ -12,7 +12,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Iterator, Optional
 
-import mlx.core as mx
+from . import rawread
+from .rawread import ARRAY, info
 
 MAX_MEMBERS = 4096  # caches followed at once; more are walked only while they are the roots
 
@@ -100,22 +101,33 @@ def member_of(roots: Any, steps: tuple) -> Any:
     """The cache (as ``_members`` finds them) that holds the array reached by ``steps``."""
     value, depth = roots, 0
     for kind, key in steps:
-        if depth >= 2 or kind != "item" or not (isinstance(value, (list, tuple)) or type(value) is dict):
+        if depth >= 2 or kind != "item" or not _container(info(type(value))):
             break
-        value, depth = value[key], depth + 1
+        value, depth = rawread.item(value, key), depth + 1
     return value
+
+
+def _container(t: rawread.TypeInfo) -> bool:
+    return t.base is list or t.base is tuple or t.cls is dict  # list and tuple subclasses too
+
+
+def _items(value: Any) -> Optional[list]:
+    """The items of a list, tuple or plain dict, read without their code (``rawread``); None
+    for anything else."""
+    t = info(type(value))
+    if not _container(t):
+        return None
+    return [v for _, v in t.snapshot(value)] if t.cls is dict else t.snapshot(value)
 
 
 def _members(roots: Any, depth: int = 0) -> Iterator[Any]:
     """The cache objects in ``roots``: the items of a list, tuple or dict of caches (one level of
     nesting: a model's caches and its draft's), or the roots themselves."""
-    if isinstance(roots, mx.array):
+    if info(type(roots)).kind == ARRAY:
         return
-    if isinstance(roots, (list, tuple)) and depth < 2:
-        for item in roots:
-            yield from _members(item, depth + 1)
-    elif type(roots) is dict and depth < 2:
-        for item in list(roots.values()):
-            yield from _members(item, depth + 1)
-    else:
+    items = _items(roots) if depth < 2 else None
+    if items is None:
         yield roots
+        return
+    for item in items:
+        yield from _members(item, depth + 1)

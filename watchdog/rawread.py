@@ -1,0 +1,226 @@
+"""Read an object's members without running any of its code.
+
+Attribute access (``o.x``, ``o.__dict__``, ``o.__class__``, ``isinstance``), iteration, ``len``,
+``repr``, hashing and comparison can all run code of the watched program: a property, an
+overridden ``__getattribute__``, ``__iter__`` or ``items``, a key's ``__eq__``. Any of it may
+raise, block, allocate or have side effects. So the walk reads only at the level of types:
+
+* ``type(o)`` and the slots of ``type`` itself (its MRO, its ``__dict__``, its name), read
+  through ``type``'s own descriptors so that a metaclass cannot intercept them;
+* an instance's ``__dict__`` through the builtin descriptor its class got from CPython (a
+  property named ``__dict__`` is skipped, not called), and its ``__slots__`` through their
+  member descriptors, found in the class dicts along the MRO (private ``_Cls__x`` included);
+* containers, subclasses included, through the unbound methods of the builtin they derive from
+  (``dict.items``, ``list.copy``, ``tuple.__iter__``...), which read the storage directly. Not
+  ``dict.copy`` nor ``dict.__getitem__``: on a subclass they call its ``keys`` / ``__missing__``.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import re
+import types
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+
+_mro = type.__dict__["__mro__"].__get__
+_type_dict = type.__dict__["__dict__"].__get__
+_type_name = type.__dict__["__name__"].__get__
+_dict_offset = type.__dict__["__dictoffset__"].__get__
+_GETSET = types.GetSetDescriptorType
+_MEMBER = types.MemberDescriptorType
+
+# What a type is to the walk; kinds above OPAQUE may hold arrays.
+ATOM, OPAQUE, ARRAY, DICT, SEQUENCE, SET, OBJECT = range(7)
+
+# Values that cannot hold arrays, and code/library objects that are not data.
+_ATOMS = (str, bytes, bytearray, memoryview, int, float, complex, bool, range, type(None))
+_OPAQUE = (
+    type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+    types.BuiltinMethodType, types.CodeType, types.FrameType, types.GeneratorType,
+    types.CoroutineType, types.TracebackType, mx.Dtype, mx.Device, mx.Stream,
+)
+# (base, its unbound snapshot function, its unbound len); a subclass is read as its base.
+_CONTAINERS = (
+    (dict, DICT, lambda d: list(dict.items(d)), dict.__len__),
+    (list, SEQUENCE, list.copy, list.__len__),
+    (tuple, SEQUENCE, lambda t: list(tuple.__iter__(t)), tuple.__len__),
+    (collections.deque, SEQUENCE, lambda d: list(collections.deque.__iter__(d)), collections.deque.__len__),
+    (set, SET, lambda s: list(set.__iter__(s)), set.__len__),
+    (frozenset, SET, lambda s: list(frozenset.__iter__(s)), frozenset.__len__),
+)
+_GETITEM = {list: list.__getitem__, tuple: tuple.__getitem__, collections.deque: collections.deque.__getitem__}
+
+CODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}\Z")  # an attribute or key that names code
+_CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,46}\Z")  # keeps "Class.attribute" within 80
+_MODULE = ("Module", "mlx.nn.layers.base")  # nn.Module: a dict whose keys are its attributes
+MAX_TYPES = 4096  # types remembered; the table starts again when full
+
+
+class TypeInfo:
+    """What the walk needs to know of one type, found once per type."""
+
+    __slots__ = ("cls", "kind", "name", "snapshot", "length", "base", "attrs_dict", "hidden_dict",
+                 "slots", "keys_are_names")
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.name = code_name(_type_name(cls), _CLASS_NAME) or "<class>"
+        self.snapshot: Optional[Callable[[Any], list]] = None
+        self.length: Optional[Callable[[Any], int]] = None
+        self.base: Optional[type] = None
+        self.attrs_dict: Any = None  # the builtin descriptor of the instances' __dict__
+        self.hidden_dict = False  # instances have a __dict__ that no builtin descriptor reaches
+        self.slots: tuple = ()  # (name, member descriptor) along the MRO
+        self.keys_are_names = False
+        self.kind = self._kind(cls)
+        if self.kind in (DICT, OBJECT):
+            self._find_members(cls)
+
+    def _kind(self, cls: type) -> int:
+        # issubclass with builtin classes reads the MRO in C (PyType_IsSubtype); isinstance()
+        # would read the object's __class__, which a property can fake.
+        if issubclass(cls, mx.array):
+            return ARRAY
+        if issubclass(cls, _ATOMS):
+            return ATOM
+        if issubclass(cls, _OPAQUE):
+            return OPAQUE
+        for base, kind, snapshot, length in _CONTAINERS:
+            if issubclass(cls, base):
+                self.base, self.snapshot, self.length = base, snapshot, length
+                return kind
+        return OBJECT
+
+    def _find_members(self, cls: type) -> None:
+        slots = []
+        for klass in _mro(cls):
+            for name, value in list(types.MappingProxyType.items(_type_dict(klass))):
+                kind = type(value)
+                if type(name) is not str:
+                    continue
+                if name == "__dict__":
+                    # The first builtin one of this class's own line: a property named __dict__
+                    # is user code, a descriptor copied from another class does not apply.
+                    if self.attrs_dict is None and (kind is _GETSET or kind is _MEMBER) \
+                            and _derives(cls, value.__objclass__):
+                        self.attrs_dict = value
+                elif kind is _MEMBER and name != "__weakref__" and all(value is not s for _, s in slots):
+                    slots.append((name, value))  # a slot a subclass shadows is still read
+                elif name == "__module__" and type(value) is str and value == _MODULE[1] \
+                        and code_name(_type_name(klass)) == _MODULE[0]:
+                    self.keys_are_names = True
+        self.slots = tuple(slots)
+        self.hidden_dict = self.attrs_dict is None and _dict_offset(cls) != 0
+
+
+def _derives(cls: type, base: Any) -> bool:
+    # Not issubclass(): with a class of the program as its second argument it calls that class's
+    # metaclass's __subclasscheck__.
+    return any(klass is base for klass in _mro(cls))
+
+
+_types: dict[int, TypeInfo] = {}  # by id: hashing a class could run its metaclass's __hash__
+
+
+def info(cls: type) -> TypeInfo:
+    entry = _types.get(id(cls))
+    if entry is None or entry.cls is not cls:
+        if len(_types) >= MAX_TYPES:
+            _types.clear()
+        entry = _types[id(cls)] = TypeInfo(cls)
+    return entry
+
+
+def type_name(value: Any) -> str:
+    """The name of ``value``'s class, or a placeholder when it is not a plain identifier."""
+    return info(type(value)).name
+
+
+def code_name(value: Any, pattern: re.Pattern = CODE_NAME) -> Optional[str]:
+    """``value`` when it is a builtin ``str`` that looks like a name in code, else None."""
+    if type(value) is str and pattern.match(value):
+        return value
+    return None
+
+
+def attributes(value: Any, t: TypeInfo, limit: int) -> Optional[list[tuple[str, Any, Any]]]:
+    """(name, step key, value) of each entry of the instance ``__dict__`` and each set slot (the
+    step key of a slot is its descriptor: a subclass may reuse its name); None past ``limit``."""
+    out = []
+    attrs = _instance_dict(value, t)
+    if attrs is not None:
+        if dict.__len__(attrs) > limit:
+            return None
+        out.extend((key, key, child) for key, child in dict.items(attrs))
+    for name, slot in t.slots:
+        try:
+            out.append((name, slot, slot.__get__(value, t.cls)))
+        except (AttributeError, TypeError):  # an unset slot; one copied from an unrelated class
+            continue
+    return out
+
+
+def hidden_values(value: Any, limit: int) -> Optional[list[Any]]:
+    """The values of an instance ``__dict__`` hidden behind a property: what the garbage
+    collector sees the object hold (C code, no names), less its class; None past ``limit``."""
+    cls = type(value)
+    held = gc.get_referents(value)
+    return None if len(held) > limit else [v for v in held if v is not cls]
+
+
+_ndim = mx.array.__dict__["ndim"].__get__
+
+
+def usable_array(value: Any) -> bool:
+    """Is this array's C++ object there? A subclass whose ``__init__`` skips ``mx.array``'s
+    makes every MLX call that gets it fail (one such array would fail a whole graph export)."""
+    try:
+        _ndim(value)
+        return True
+    except Exception:
+        return False
+
+
+def item(container: Any, key: Any) -> Any:
+    """``container[key]`` for a builtin container or a subclass, without its code: a str key is
+    looked up, any other key is found by identity (hashing or comparing it could run its code)."""
+    t = info(type(container))
+    if t.kind == DICT:
+        if type(key) is str:
+            value = dict.get(container, key, _MISSING)
+            if value is not _MISSING:
+                return value
+        else:
+            for k, value in dict.items(container):
+                if k is key:
+                    return value
+        raise KeyError("no such key")
+    getitem = _GETITEM.get(t.base)
+    if getitem is None or type(key) is not int:
+        raise LookupError(f"{t.name} is no sequence")
+    return getitem(container, key)
+
+
+def attribute(value: Any, step: Any) -> Any:
+    """The attribute an ``("attr", name)`` or ``("slot", descriptor)`` step names."""
+    t = info(type(value))
+    if type(step) is _MEMBER:
+        return step.__get__(value, t.cls)
+    attrs = _instance_dict(value, t)
+    found = _MISSING if attrs is None else dict.get(attrs, step, _MISSING)
+    if found is _MISSING:
+        raise AttributeError("no such attribute")
+    return found
+
+
+def _instance_dict(value: Any, t: TypeInfo) -> Optional[dict]:
+    if t.attrs_dict is None:
+        return None
+    attrs = t.attrs_dict.__get__(value, t.cls)
+    return attrs if issubclass(type(attrs), dict) else None  # may be a dict subclass: read as a dict
+
+
+_MISSING = object()
