@@ -162,6 +162,8 @@ class WatchdogCollector:
         self._lock = threading.Lock()  # scrapes may run on several server threads at once
         # watchdog -> (its name, its label) as last exported; entries go with the watchdogs
         self._labels: "weakref.WeakKeyDictionary[Watchdog, tuple[str, str]]" = weakref.WeakKeyDictionary()
+        # watchdog -> {family: the sites last exported}; a site that stops leaking stays at 0
+        self._known_sites: "weakref.WeakKeyDictionary[Watchdog, dict]" = weakref.WeakKeyDictionary()
         self._static: Optional[dict[str, str]] = None
 
     @property
@@ -233,7 +235,7 @@ class WatchdogCollector:
             ("mlx_watchdog_decoding", base, int(f.decoding)),
             ("mlx_watchdog_pending_graph_nodes", base, f.pending_graph_nodes),
         ]
-        rows += self._site_rows(f, base)
+        rows += self._site_rows(wd, f, base)
         for name, value in (("mlx_watchdog_prefill_graph_nodes", f.prefill_graph_nodes),
                             ("mlx_watchdog_max_safe_prefill_tokens", f.max_safe_prefill_tokens)):
             if value is not None:
@@ -257,27 +259,34 @@ class WatchdogCollector:
                 raise ValueError(f"{name}: not a number: {value!r}")
         return [(name, labels, float(value)) for name, labels, value in rows]
 
-    def _site_rows(self, f, base: tuple) -> list[tuple]:
+    def _site_rows(self, wd: Watchdog, f, base: tuple) -> list[tuple]:
         """The two leak families, at most ``max_sites`` series each: the largest sites by buffers
         per step, the rest summed into ``site="other"``. Sites of the same label are summed, so a
-        label that stands for several sites is one series."""
+        label that stands for several sites is one series. A site exported before that leaks no
+        more reads 0 (as long as it fits under the cap) instead of vanishing, so that an alert
+        sees it stop."""
         rows, folded = [], 0
-        for name, cut in (("mlx_watchdog_leak_buffers_per_step", False),
-                          ("mlx_watchdog_fixed_leak_buffers_per_step", True)):
-            by_site: dict[str, float] = {}
-            for leak in f.leaks:
-                if bool(leak.cut) == cut:
-                    site = str(leak.site)
-                    by_site[site] = by_site.get(site, 0.0) + float(leak.buffers_per_step)
-            ranked = sorted(by_site.items(), key=lambda kv: (-kv[1], kv[0]))
-            if len(ranked) > self.max_sites:
-                kept, rest = ranked[:self.max_sites - 1], ranked[self.max_sites - 1:]
-                other = sum(v for _, v in rest) + dict(kept).pop(OTHER_SITE, 0.0)
-                kept = [(site, v) for site, v in kept if site != OTHER_SITE] + [(OTHER_SITE, other)]
-                folded += len(rest)
-                ranked = kept
-            # Not decoding, nothing grows now: the sites stay, at 0 (no alert for an idle server).
-            rows += [(name, base + (site, ), v if f.decoding else 0.0) for site, v in ranked]
+        with self._lock:
+            known = self._known_sites.setdefault(wd, {})
+            for name, cut in (("mlx_watchdog_leak_buffers_per_step", False),
+                              ("mlx_watchdog_fixed_leak_buffers_per_step", True)):
+                by_site: dict[str, float] = {}
+                for leak in f.leaks:
+                    if bool(leak.cut) == cut:
+                        site = str(leak.site)
+                        by_site[site] = by_site.get(site, 0.0) + float(leak.buffers_per_step)
+                ranked = sorted(by_site.items(), key=lambda kv: (-kv[1], kv[0]))
+                if len(ranked) > self.max_sites:
+                    kept, rest = ranked[:self.max_sites - 1], ranked[self.max_sites - 1:]
+                    other = sum(v for _, v in rest) + dict(kept).get(OTHER_SITE, 0.0)
+                    ranked = [(site, v) for site, v in kept if site != OTHER_SITE] + [(OTHER_SITE, other)]
+                    folded += len(rest)
+                # Sites that leaked before and no longer do: 0, in the room the cap leaves.
+                gone = [site for site in known.get(name, ()) if site not in by_site]
+                ranked += [(site, 0.0) for site in gone[:max(0, self.max_sites - len(ranked))]]
+                known[name] = dict.fromkeys(site for site, _ in ranked)
+                # Not decoding, nothing grows now: the sites stay, at 0 (no alert for an idle server).
+                rows += [(name, base + (site,), v if f.decoding else 0.0) for site, v in ranked]
         rows.append(("mlx_watchdog_folded_leak_sites", base, folded))
         return rows
 

@@ -832,3 +832,24 @@ def test_keep_alive_head_gzip_and_bad_requests(leaky, registry):
 def test_bad_server_options_are_value_errors(registry, option, bad):
     with pytest.raises(ValueError, match=option):
         exporter.start_metrics_server(0, registry=registry, **{option: bad})
+
+
+def test_a_site_that_stops_leaking_reads_0_instead_of_vanishing():
+    objects = leaking_objects(3)
+    wd = Watchdog(name="exp-stopping", overhead_budget=0.5, walk_interval=0, export=False)
+    reg = CollectorRegistry()
+    reg.register(exporter.WatchdogCollector([wd]))
+    step_leaking(wd, objects, 40)
+    assert len(wd.forecast().leaks) == 3
+    first = {s.labels["site"]: s.value for s in samples(scrape(reg), "mlx_watchdog_leak_buffers_per_step")}
+    assert first == {f"LeakyCache{i:02d}.offset": pytest.approx(1) for i in range(3)}
+    # Two of the three stop leaking: their chains are evaluated and they stay so.
+    mx.eval(objects[1].offset, objects[2].offset)
+    for _ in range(200):
+        wd.observe(objects)
+        objects[0].offset = objects[0].offset - 1
+        if [leak.site for leak in wd.forecast().leaks] == ["LeakyCache00.offset"]:
+            break
+    assert [leak.site for leak in wd.forecast().leaks] == ["LeakyCache00.offset"], wd.forecast().leaks
+    after = {s.labels["site"]: s.value for s in samples(scrape(reg), "mlx_watchdog_leak_buffers_per_step")}
+    assert after == {"LeakyCache00.offset": pytest.approx(1), "LeakyCache01.offset": 0, "LeakyCache02.offset": 0}
