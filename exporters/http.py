@@ -4,9 +4,9 @@ prometheus_client's ``start_http_server`` runs one thread per connection and rea
 without a bound: 1,500 idle connections put 1,511 threads into the watched process, 60 connections
 with huge headers added 342 MB. This server keeps the watched process safe:
 
-- one event-loop thread does all socket work (plain or TLS; asyncio runs TLS handshakes without
-  a thread each, with a timeout), and one worker thread renders the metrics: two threads,
-  however many clients connect;
+- one event-loop thread does all socket work (plain or TLS: asyncio runs TLS handshakes without
+  a thread each, with a timeout, on a connection already counted below), and one worker thread
+  renders the metrics: two threads, however many clients connect;
 - at most ``max_connections`` connections are kept open; one more closes the connection that has
   been idle the longest (never one whose request is being answered), so a scrape gets in while
   idle sockets pile up;
@@ -40,6 +40,10 @@ DEFAULT_IDLE_TIMEOUT = 10.0  # seconds; Prometheus reconnects when a kept-alive 
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
 _READ_CHUNK = 16 * 1024
+# Python >= 3.11 upgrades an accepted connection to TLS (StreamWriter.start_tls): the handshake is
+# then one of the counted, evictable connections. 3.10 lets asyncio handshake before the
+# connection is counted; a handshake is still bounded by idle_timeout.
+_UPGRADE_TLS = hasattr(asyncio.StreamWriter, "start_tls")
 
 
 class _Connection:
@@ -119,9 +123,10 @@ class BoundedHTTPServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        early_tls = self.ssl_context if self.ssl_context and not _UPGRADE_TLS else None
         server = await asyncio.start_server(
-            self._serve, sock=self.socket, ssl=self.ssl_context,
-            ssl_handshake_timeout=self.idle_timeout if self.ssl_context else None)
+            self._serve, sock=self.socket, ssl=early_tls,
+            ssl_handshake_timeout=self.idle_timeout if early_tls else None)
         self._ready.set()
         try:
             await self._stop.wait()
@@ -150,6 +155,18 @@ class BoundedHTTPServer:
         self._admit(conn)
         http = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_header_bytes)
         try:
+            if self.ssl_context is not None and _UPGRADE_TLS:
+                raw = writer.transport
+                try:
+                    await writer.start_tls(self.ssl_context, ssl_handshake_timeout=self.idle_timeout)
+                finally:
+                    # Closed (evicted) during the handshake, CPython's start_tls leaves the writer
+                    # without a transport (and raises); give it back the closed one, so that
+                    # closing and collecting the writer stay no-ops.
+                    if writer.transport is None:
+                        writer._transport = raw
+                if writer.transport is raw:
+                    return
             await self._converse(conn, reader, http)
         except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
             pass  # idle, gone or broken: just close

@@ -19,6 +19,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -726,6 +727,10 @@ def _threads() -> int:
     return psutil.Process().num_threads()
 
 
+def _server_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("mlx-watchdog-metrics")]
+
+
 @pytest.fixture
 def tls_files(tmp_path):
     return make_cert(tmp_path, "server")
@@ -748,12 +753,15 @@ def test_300_idle_connections_do_not_stop_a_scrape(leaky, registry, tls_files, u
         assert status == 200 and b'mlx_watchdog_steps_total{watchdog="exp-leaky"}' in body
         assert took < 3, f"the scrape took {took:.1f} s beside 300 idle connections"
         assert _threads() - before <= 3, f"threads {before} -> {_threads()}"  # loop + render (+1 slack)
+        assert len(_server_threads()) == 2, _server_threads()
         assert server.server.open_connections <= exporter.DEFAULT_MAX_CONNECTIONS
+        if sys.version_info >= (3, 11) or not use_tls:  # 3.10: TLS handshakes are not counted
+            assert server.server.evicted >= 300 - exporter.DEFAULT_MAX_CONNECTIONS
     finally:
         for s in idle:
             s.close()
         server.close()
-    assert _threads() <= before + 1  # close() joined its threads
+    assert _server_threads() == []  # close() joined its threads
 
 
 def test_an_idle_connection_is_closed_after_idle_timeout(registry):
