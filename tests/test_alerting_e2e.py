@@ -273,6 +273,34 @@ class PacedDecode(threading.Thread):
         self.join(timeout=30)
 
 
+# --------------------------------------------------------------------------- the stack
+
+def start_alerting(tmp_path: Path, request, wd: Watchdog, plan: Optional[Plan], test_for: dict[str, str]):
+    """The webhook, a real Alertmanager with the project's config, the metrics server of ``wd``
+    alone, and a real Prometheus running the project's rules (rewritten by write_test_rules);
+    all stopped at the end of the test. Returns (webhook, metrics server, Prometheus URL, the
+    original rules by name)."""
+    webhook = Webhook(wd)
+    request.addfinalizer(webhook.close)
+    am_config = tmp_path / "alertmanager.yml"
+    write_test_alertmanager_config(am_config, webhook.url)
+    am_proc, am_url = start_alertmanager(tmp_path, am_config)
+    request.addfinalizer(lambda: stop_process(am_proc))
+
+    # Only this watchdog (other tests' live watchdogs would add series, or a `rank` label).
+    registry = CollectorRegistry()
+    registry.register(WatchdogCollector([wd]))
+    metrics = start_metrics_server(0, registry=registry)
+    request.addfinalizer(metrics.close)
+
+    rules = tmp_path / "rules.yml"
+    original = write_test_rules(rules, plan, test_for)
+    prom_proc, prom_url = start_prometheus(tmp_path, [f"{LOOPBACK}:{metrics.port}"], rule_files=[rules],
+                                           alertmanager_url=am_url)
+    request.addfinalizer(lambda: stop_process(prom_proc))
+    return webhook, metrics, prom_url, original
+
+
 # --------------------------------------------------------------------------- the test
 
 def wait_for(condition, timeout: float, interval: float = 0.2):
@@ -302,24 +330,7 @@ def test_alerts_reach_the_webhook_before_the_decode_reaches_its_limit(tmp_path, 
     watch_model(model, wd)
     request.addfinalizer(lambda: unwatch_model(model))
 
-    webhook = Webhook(wd)
-    request.addfinalizer(webhook.close)
-    am_config = tmp_path / "alertmanager.yml"
-    write_test_alertmanager_config(am_config, webhook.url)
-    am_proc, am_url = start_alertmanager(tmp_path, am_config)
-    request.addfinalizer(lambda: stop_process(am_proc))
-
-    # Only this watchdog (other tests' live watchdogs would add series, or a `rank` label).
-    registry = CollectorRegistry()
-    registry.register(WatchdogCollector([wd]))
-    metrics = start_metrics_server(0, registry=registry)
-    request.addfinalizer(metrics.close)
-
-    rules = tmp_path / "rules.yml"
-    original = write_test_rules(rules, plan)
-    prom_proc, prom_url = start_prometheus(tmp_path, [f"{LOOPBACK}:{metrics.port}"], rule_files=[rules],
-                                           alertmanager_url=am_url)
-    request.addfinalizer(lambda: stop_process(prom_proc))
+    webhook, metrics, prom_url, original = start_alerting(tmp_path, request, wd, plan, TEST_FOR)
 
     # Prometheus runs the rewritten copy (all rules, every second) and scrapes the exporter
     # before the decode starts, so the decode's time is not spent on start-up.
@@ -420,21 +431,7 @@ def test_a_watchdog_that_cannot_measure_is_reported(tmp_path, request):
     watch_model(model, wd)
     request.addfinalizer(lambda: unwatch_model(model))
 
-    webhook = Webhook(wd)
-    request.addfinalizer(webhook.close)
-    am_config = tmp_path / "alertmanager.yml"
-    write_test_alertmanager_config(am_config, webhook.url)
-    am_proc, am_url = start_alertmanager(tmp_path, am_config)
-    request.addfinalizer(lambda: stop_process(am_proc))
-    registry = CollectorRegistry()
-    registry.register(WatchdogCollector([wd]))
-    metrics = start_metrics_server(0, registry=registry)
-    request.addfinalizer(metrics.close)
-    rules = tmp_path / "rules.yml"
-    write_test_rules(rules, None, {CANNOT: "2s"})
-    prom_proc, prom_url = start_prometheus(tmp_path, [f"{LOOPBACK}:{metrics.port}"], rule_files=[rules],
-                                           alertmanager_url=am_url)
-    request.addfinalizer(lambda: stop_process(prom_proc))
+    webhook, metrics, prom_url, _ = start_alerting(tmp_path, request, wd, None, {CANNOT: "2s"})
     assert wait_for(lambda: prom_query(prom_url, f'up{{job="{JOB}"}} == 1'), 15), "the exporter was never scraped"
 
     token = mx.array([[1]])
