@@ -11,7 +11,8 @@ tests/test_grafana.py fails when the committed JSON and this script disagree.
 sharing externally" OFF and port the change back here.)
 
 Target: Grafana 10.4 / 11.x, classic dashboard JSON, schemaVersion 39.
-Standard library only.
+Standard library only (docs/dashboard.md says why not Grafana's grafana-foundation-sdk,
+after trying it).
 """
 from __future__ import annotations
 
