@@ -10,8 +10,9 @@ with huge headers added 342 MB. This server keeps the watched process safe:
 - at most ``max_connections`` connections are kept open; one more closes the connection that has
   been idle the longest (never one whose request is being answered), so a scrape gets in while
   idle sockets pile up;
-- a connection that sends nothing for ``idle_timeout`` seconds is closed, before its first
-  request as between keep-alive requests, and so is a TLS handshake that does not finish;
+- a connection that has not sent a whole request ``idle_timeout`` seconds after it opened (or
+  after its last answer) is closed, silent or trickling bytes, and so is a TLS handshake that
+  does not finish in that time;
 - request heads are parsed by h11 with at most ``max_header_bytes`` buffered (431 beyond), and
   a request body (a scrape has none) is read up to 64 KiB, else 413.
 
@@ -178,24 +179,30 @@ class BoundedHTTPServer:
             self._connections.pop(conn, None)
             writer.close()
 
-    async def _next_event(self, reader: asyncio.StreamReader, http: h11.Connection):
+    async def _next_event(self, reader: asyncio.StreamReader, http: h11.Connection, deadline: float):
         while True:
             event = http.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            data = await asyncio.wait_for(reader.read(_READ_CHUNK), self.idle_timeout)
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise asyncio.TimeoutError
+            data = await asyncio.wait_for(reader.read(_READ_CHUNK), left)
             http.receive_data(data)  # b"" is the end of the stream
 
     async def _converse(self, conn: _Connection, reader: asyncio.StreamReader, http: h11.Connection) -> None:
         while True:
+            # The whole request (head and body) within idle_timeout of the connection or of the
+            # last answer: a client that trickles bytes is closed like a silent one.
+            deadline = asyncio.get_running_loop().time() + self.idle_timeout
             try:
-                request = await self._next_event(reader, http)
+                request = await self._next_event(reader, http, deadline)
                 if not isinstance(request, h11.Request):
                     return  # ConnectionClosed
                 conn.busy = True
                 event, body = request, 0
                 while not isinstance(event, h11.EndOfMessage):
-                    event = await self._next_event(reader, http)
+                    event = await self._next_event(reader, http, deadline)
                     if isinstance(event, h11.Data):
                         body += len(event.data)
                         if body > MAX_BODY_BYTES:

@@ -775,6 +775,28 @@ def test_an_idle_connection_is_closed_after_idle_timeout(registry):
         server.close()
 
 
+def test_a_request_trickled_byte_by_byte_is_cut_at_idle_timeout(registry):
+    server = exporter.start_metrics_server(0, registry=registry, idle_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            t0 = time.monotonic()
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            closed = False
+            for _ in range(40):  # a header byte every 0.1 s: never silent for a whole second
+                time.sleep(0.1)
+                try:
+                    s.sendall(b"X")
+                except OSError:
+                    closed = True
+                    break
+            if not closed:
+                s.settimeout(3)
+                closed = s.recv(1) == b""
+            assert closed and time.monotonic() - t0 < 4, "the trickling client was kept"
+    finally:
+        server.close()
+
+
 def test_huge_headers_are_refused_without_growing_memory(registry):
     server = exporter.start_metrics_server(0, registry=registry)
     # Lines under 64 KiB, as many as http.server accepts (it buffered all: +224 MiB measured).
