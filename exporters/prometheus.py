@@ -34,10 +34,13 @@ from prometheus_client.registry import REGISTRY, CollectorRegistry
 from .. import __version__
 from ..core import Watchdog, live_watchdogs
 from ..limits import device_name
+from .http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, BoundedHTTPServer
 
 logger = logging.getLogger("mlx_watchdog")
 
 DEFAULT_PORT = 9464  # the port OpenTelemetry's Prometheus exporter uses by default
+DEFAULT_MAX_SITES = 20  # site series per leak family and watchdog, "other" included
+OTHER_SITE = "other"  # the site label of the sum of the sites past max_sites
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +70,9 @@ _SPECS = (
     _Spec("mlx_watchdog_steps_to_limit", "gauge",
           "Decode steps left until resident buffers reach the limit at the current growth "
           "(+Inf when not growing or not decoding, NaN until measured)."),
-    _Spec("mlx_watchdog_seconds_to_limit", "gauge",
+    _Spec("mlx_watchdog_time_to_limit_seconds", "gauge",
           "Seconds left until resident buffers reach the limit at the current growth and step rate "
-          "(+Inf when not growing or not decoding, NaN until measured)."),
+          "(+Inf when not growing or not decoding, NaN until measured).", unit="seconds"),
     _Spec("mlx_watchdog_rate_known", "gauge",
           "1 once the growth per step has been measured on the caches alive now, 0 before: "
           "buffers_per_step and the time to the limit are then NaN, not a reading of no leak."),
@@ -80,12 +83,14 @@ _SPECS = (
           "Unevaluated (lazy) graph nodes hanging off the watched cache at the last measurement."),
     _Spec("mlx_watchdog_leak_buffers_per_step", "gauge",
           "Buffers per decode step added by one leaking site that nothing repairs; site is the "
-          "class and attribute that holds them, e.g. ArraysCache.left_padding.", ("site",)),
+          "class and attribute that holds them, e.g. ArraysCache.left_padding; site=\"other\" sums "
+          "the sites past the exporter's max_sites.", ("site",)),
     _Spec("mlx_watchdog_fixed_leak_buffers_per_step", "gauge",
           "Buffers per decode step a leaking site would add, which the fix cuts (Watchdog(fix=True)): "
-          "the leak is there, the fix repairs it.", ("site",)),
-    _Spec("mlx_watchdog_step_rate", "gauge",
-          "Observed decode steps per second."),
+          "the leak is there, the fix repairs it; site=\"other\" as for the unrepaired ones.", ("site",)),
+    _Spec("mlx_watchdog_folded_leak_sites", "gauge",
+          "Leak sites summed into the site=\"other\" series of the two leak families at this scrape "
+          "(0 while every site has its own series; the exporter's max_sites bounds them)."),
     _Spec("mlx_watchdog_prefill_graph_nodes", "gauge",
           "Lazy graph nodes of the last multi-token (prefill) forward pass."),
     _Spec("mlx_watchdog_max_safe_prefill_tokens", "gauge",
@@ -101,9 +106,6 @@ _SPECS = (
           "process-wide.", unit="bytes"),
     _Spec("mlx_watchdog_memory_limit_bytes", "gauge",
           "MLX's memory limit in bytes (mx.get_memory_limit); process-wide.", unit="bytes"),
-    _Spec("mlx_watchdog_process_resident_memory_bytes", "gauge",
-          "Resident set size of the process in bytes (psutil; works on macOS and Linux).",
-          unit="bytes"),
     _Spec("mlx_watchdog_info", "gauge",
           "Always 1; the labels say which versions, device and fix mode the watchdog runs with.",
           ("version", "mlx_version", "mlx_lm_version", "device", "fix")),
@@ -130,7 +132,6 @@ _MEMORY_READERS = (
     ("mlx_watchdog_memory_peak_bytes", lambda: mx.get_peak_memory()),
     ("mlx_watchdog_memory_cache_bytes", lambda: mx.get_cache_memory()),
     ("mlx_watchdog_memory_limit_bytes", lambda: mx.get_memory_limit()),
-    ("mlx_watchdog_process_resident_memory_bytes", lambda: _process().memory_info().rss),
 )
 
 
@@ -150,7 +151,8 @@ class WatchdogCollector:
     produce duplicate series, so a later one is exported as ``name-2``, ``name-3`` (with a
     warning); name your watchdogs ``Watchdog(name=...)`` to choose."""
 
-    def __init__(self, watchdogs: Optional[Sequence[Watchdog]] = None):
+    def __init__(self, watchdogs: Optional[Sequence[Watchdog]] = None, *, max_sites: int = DEFAULT_MAX_SITES):
+        self.max_sites = max_sites  # checked by the property
         if watchdogs is not None:
             watchdogs = list(watchdogs)
             for wd in watchdogs:
@@ -160,7 +162,21 @@ class WatchdogCollector:
         self._lock = threading.Lock()  # scrapes may run on several server threads at once
         # watchdog -> (its name, its label) as last exported; entries go with the watchdogs
         self._labels: "weakref.WeakKeyDictionary[Watchdog, tuple[str, str]]" = weakref.WeakKeyDictionary()
+        # watchdog -> {family: the sites last exported}; a site that stops leaking stays at 0
+        self._known_sites: "weakref.WeakKeyDictionary[Watchdog, dict]" = weakref.WeakKeyDictionary()
         self._static: Optional[dict[str, str]] = None
+
+    @property
+    def max_sites(self) -> int:
+        """Site series per leak family and watchdog, ``site="other"`` included (at least 2)."""
+        return self._max_sites
+
+    @max_sites.setter
+    def max_sites(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 2:
+            raise ValueError(f"max_sites must be an integer of at least 2 (the top sites plus one "
+                             f"\"other\"), got {value!r}")
+        self._max_sites = int(value)
 
     def describe(self) -> list:
         # The names are fixed even though the watchdogs are not: the registry can check clashes.
@@ -179,7 +195,9 @@ class WatchdogCollector:
                 rows = self._rows(wd, label_of[wd], with_rank, memory, static)
             except Exception as exc:  # one broken watchdog must not break the scrape
                 _count_error(wd, exc)
-                continue
+                # Its counters still go out: an alert on internal errors sees a watchdog whose
+                # forecast fails, instead of its series vanishing with the failure.
+                rows = _counter_rows(wd, label_of[wd], with_rank)
             for name, labels, value in rows:
                 families[name].add_metric(labels, value)
         yield from families.values()
@@ -212,14 +230,12 @@ class WatchdogCollector:
             ("mlx_watchdog_resource_limit_buffers", base, f.limit),
             ("mlx_watchdog_buffers_per_step", base, per_step),
             ("mlx_watchdog_steps_to_limit", base, steps_left),
-            ("mlx_watchdog_seconds_to_limit", base, seconds_left),
+            ("mlx_watchdog_time_to_limit_seconds", base, seconds_left),
             ("mlx_watchdog_rate_known", base, int(f.rate_known)),
             ("mlx_watchdog_decoding", base, int(f.decoding)),
             ("mlx_watchdog_pending_graph_nodes", base, f.pending_graph_nodes),
-            ("mlx_watchdog_step_rate", base, f.step_rate),
         ]
-        rows += [("mlx_watchdog_fixed_leak_buffers_per_step" if leak.cut else "mlx_watchdog_leak_buffers_per_step",
-                  base + (leak.site,), leak.buffers_per_step if f.decoding else 0.0) for leak in f.leaks]
+        rows += self._site_rows(wd, f, base)
         for name, value in (("mlx_watchdog_prefill_graph_nodes", f.prefill_graph_nodes),
                             ("mlx_watchdog_max_safe_prefill_tokens", f.max_safe_prefill_tokens)):
             if value is not None:
@@ -242,6 +258,37 @@ class WatchdogCollector:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{name}: not a number: {value!r}")
         return [(name, labels, float(value)) for name, labels, value in rows]
+
+    def _site_rows(self, wd: Watchdog, f, base: tuple) -> list[tuple]:
+        """The two leak families, at most ``max_sites`` series each: the largest sites by buffers
+        per step, the rest summed into ``site="other"``. Sites of the same label are summed, so a
+        label that stands for several sites is one series. A site exported before that leaks no
+        more reads 0 (as long as it fits under the cap) instead of vanishing, so that an alert
+        sees it stop."""
+        rows, folded = [], 0
+        with self._lock:
+            known = self._known_sites.setdefault(wd, {})
+            for name, cut in (("mlx_watchdog_leak_buffers_per_step", False),
+                              ("mlx_watchdog_fixed_leak_buffers_per_step", True)):
+                by_site: dict[str, float] = {}
+                for leak in f.leaks:
+                    if bool(leak.cut) == cut:
+                        site = str(leak.site)
+                        by_site[site] = by_site.get(site, 0.0) + float(leak.buffers_per_step)
+                ranked = sorted(by_site.items(), key=lambda kv: (-kv[1], kv[0]))
+                if len(ranked) > self.max_sites:
+                    kept, rest = ranked[:self.max_sites - 1], ranked[self.max_sites - 1:]
+                    other = sum(v for _, v in rest) + dict(kept).get(OTHER_SITE, 0.0)
+                    ranked = [(site, v) for site, v in kept if site != OTHER_SITE] + [(OTHER_SITE, other)]
+                    folded += len(rest)
+                # Sites that leaked before and no longer do: 0, in the room the cap leaves.
+                gone = [site for site in known.get(name, ()) if site not in by_site]
+                ranked += [(site, 0.0) for site in gone[:max(0, self.max_sites - len(ranked))]]
+                known[name] = dict.fromkeys(site for site, _ in ranked)
+                # Not decoding, nothing grows now: the sites stay, at 0 (no alert for an idle server).
+                rows += [(name, base + (site,), v if f.decoding else 0.0) for site, v in ranked]
+        rows.append(("mlx_watchdog_folded_leak_sites", base, folded))
+        return rows
 
     def _assign_labels(self, watchdogs: list[Watchdog]) -> dict[Watchdog, str]:
         """The ``watchdog`` label of each: its name, made unique among this scrape's watchdogs of
@@ -286,6 +333,20 @@ class WatchdogCollector:
         return self._static
 
 
+def _counter_rows(wd: Watchdog, label: str, with_rank: bool) -> list[tuple]:
+    """What a watchdog whose forecast fails still exports: its step and error counters."""
+    base = (label,) + ((str(wd.rank),) if with_rank else ())
+    rows = []
+    for name, attribute in (("mlx_watchdog_steps", "steps"), ("mlx_watchdog_internal_errors", "internal_errors")):
+        try:
+            value = getattr(wd, attribute)
+            if isinstance(value, numbers.Real) and not isinstance(value, bool):
+                rows.append((name, base, float(value)))
+        except Exception:
+            pass
+    return rows
+
+
 def _name_and_rank(wd: Watchdog) -> tuple[str, int]:
     return str(wd.name), (wd.rank if _world_size(wd) > 1 else 0)
 
@@ -325,19 +386,6 @@ def _count_error(wd: Watchdog, exc: Exception) -> None:
         logger.warning("mlx-watchdog exporter: skipped watchdog %r: %r", wd, exc)
 
 
-_process_handle: Optional[tuple[int, object]] = None
-
-
-def _process():
-    global _process_handle
-    import psutil
-
-    pid = os.getpid()  # a forked child needs its own handle
-    if _process_handle is None or _process_handle[0] != pid:
-        _process_handle = (pid, psutil.Process(pid))
-    return _process_handle[1]
-
-
 def _read_memory() -> dict[str, float]:
     readings = {}
     for name, read in _MEMORY_READERS:
@@ -361,15 +409,22 @@ _registered: "weakref.WeakKeyDictionary[CollectorRegistry, WatchdogCollector]" =
 _register_lock = threading.Lock()
 
 
-def register_collector(registry: Optional[CollectorRegistry] = None) -> WatchdogCollector:
+def register_collector(registry: Optional[CollectorRegistry] = None, *,
+                       max_sites: Optional[int] = None) -> WatchdogCollector:
     """Register one :class:`WatchdogCollector` (every live watchdog) on ``registry`` (default:
-    prometheus_client's global ``REGISTRY``), once; later calls return the same collector."""
+    prometheus_client's global ``REGISTRY``), once; later calls return the same collector.
+    ``max_sites`` (default 20) bounds the site series per leak family and watchdog.
+
+    On the global registry, where prometheus_client's process collector exports nothing (macOS:
+    no ``/proc``), the standard ``process_*`` metrics are added from psutil."""
     registry = REGISTRY if registry is None else registry
     if not hasattr(registry, "register"):
         raise ValueError(f"registry must be a prometheus_client CollectorRegistry, got {type(registry).__name__}")
     with _register_lock:
         collector = _registered.get(registry)
         if collector is None:
+            if registry is REGISTRY:
+                register_process_collector(registry)
             collector = WatchdogCollector()
             try:
                 registry.register(collector)
@@ -379,7 +434,57 @@ def register_collector(registry: Optional[CollectorRegistry] = None) -> Watchdog
                     raise ValueError(f"cannot register the mlx-watchdog collector: {exc}") from exc
                 collector = existing
             _registered[registry] = collector
+        if max_sites is not None:
+            collector.max_sites = max_sites
         return collector
+
+
+class PsutilProcessCollector:
+    """The standard process metrics (the names prometheus_client's ``ProcessCollector`` exports
+    from ``/proc`` on Linux) read through psutil, for platforms without ``/proc``."""
+
+    def describe(self) -> list:
+        return list(self.collect())  # the registry learns the names (no clash with another's)
+
+    def collect(self) -> Iterator:
+        try:
+            import psutil
+
+            process = psutil.Process(os.getpid())  # a forked child reads itself
+            with process.oneshot():
+                memory, cpu, started = process.memory_info(), process.cpu_times(), process.create_time()
+                fds = process.num_fds() if hasattr(process, "num_fds") else None
+        except Exception as exc:
+            logger.debug("mlx-watchdog: psutil process metrics unavailable: %r", exc)
+            return
+        yield GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.",
+                                value=memory.vms)
+        yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.",
+                                value=memory.rss)
+        yield GaugeMetricFamily("process_start_time_seconds",
+                                "Start time of the process since unix epoch in seconds.", value=started)
+        yield CounterMetricFamily("process_cpu_seconds", "Total user and system CPU time spent in seconds.",
+                                  value=cpu.user + cpu.system, unit="seconds")
+        if fds is not None:
+            yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=fds)
+
+
+def register_process_collector(registry: CollectorRegistry, probe=None) -> Optional[PsutilProcessCollector]:
+    """Add :class:`PsutilProcessCollector` to ``registry`` when the process collector there
+    (``probe``, default prometheus_client's ``PROCESS_COLLECTOR``) exports nothing and no other
+    collector exports ``process_resident_memory_bytes``; returns it, or None when not needed."""
+    probe = prometheus_client.PROCESS_COLLECTOR if probe is None else probe
+    try:
+        if any(family.samples for family in probe.collect()):
+            return None  # /proc is there: the standard collector does it
+        if "process_resident_memory_bytes" in getattr(registry, "_names_to_collectors", {}):
+            return None
+        collector = PsutilProcessCollector()
+        registry.register(collector)
+        return collector
+    except Exception as exc:  # never a reason not to export the watchdogs
+        logger.debug("mlx-watchdog: no psutil process metrics: %r", exc)
+        return None
 
 
 def make_wsgi_app(registry: Optional[CollectorRegistry] = None, **options):
@@ -401,11 +506,11 @@ def make_asgi_app(registry: Optional[CollectorRegistry] = None, **options):
 
 @dataclasses.dataclass
 class MetricsServer:
-    """A running metrics server (prometheus_client's threaded WSGI server)."""
+    """A running metrics server (:class:`~mlx_watchdog.exporters.http.BoundedHTTPServer`)."""
 
     addr: str
     port: int  # the bound port (the one picked when 0 was asked for)
-    server: object
+    server: BoundedHTTPServer
     thread: threading.Thread
     registry: CollectorRegistry
     tls: bool
@@ -420,9 +525,7 @@ class MetricsServer:
         with _servers_lock:
             for key in [k for k, v in _servers.items() if v is self]:
                 del _servers[key]
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+        self.server.close()
 
     def __enter__(self) -> "MetricsServer":
         return self
@@ -445,6 +548,10 @@ def start_metrics_server(
     client_cafile: Optional[str] = None,
     client_capath: Optional[str] = None,
     client_auth_required: bool = False,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    max_sites: Optional[int] = None,
 ) -> MetricsServer:
     """Serve ``/metrics`` for every live watchdog on ``addr:port`` from a daemon thread.
 
@@ -454,12 +561,20 @@ def start_metrics_server(
     ``client_cafile``/``client_capath`` with ``client_auth_required=True`` also demand a client
     certificate signed by that CA (mutual TLS).
 
+    The server uses two threads whatever the clients do: at most ``max_connections`` are kept
+    open (one more closes the one idle the longest), a connection or TLS handshake silent for
+    ``idle_timeout`` seconds is closed, request heads over ``max_header_bytes`` get 431.
+    ``max_sites``: see :func:`register_collector`.
+
     Raises ``ValueError`` for bad arguments or an address that does not resolve, ``OSError``
     when the port cannot be bound (in use, not a local address, no permission); both name the
     address and port."""
     _check_port("port", port)
     if not isinstance(addr, str) or not addr.strip():
         raise ValueError(f"addr must be a host name or IP address, got {addr!r}")
+    _check_positive("max_connections", max_connections, integer=True)
+    _check_positive("idle_timeout", idle_timeout)
+    _check_positive("max_header_bytes", max_header_bytes, integer=True)
     tls = _check_tls(certfile, keyfile, client_cafile, client_capath, client_auth_required)
     where = f"{addr}:{port}"
     with _servers_lock:
@@ -470,25 +585,52 @@ def start_metrics_server(
                                "call (registry, TLS) are ignored", where)
             return running
         registry = REGISTRY if registry is None else registry
-        if tls:
-            _preload_tls(where, certfile, keyfile, client_cafile, client_capath)
-        register_collector(registry)
+        context = _tls_context(where, certfile, keyfile, client_cafile, client_capath,
+                               client_auth_required) if tls else None
+        register_collector(registry, max_sites=max_sites)
+        sock = _listen(addr, port)
+        server = BoundedHTTPServer(
+            prometheus_client.make_wsgi_app(registry), sock, ssl_context=context,
+            max_connections=max_connections, idle_timeout=float(idle_timeout),
+            max_header_bytes=max_header_bytes, name=f"mlx-watchdog-metrics-{sock.getsockname()[1]}")
         try:
-            server, thread = prometheus_client.start_http_server(
-                port, addr=addr, registry=registry, certfile=certfile, keyfile=keyfile,
-                client_cafile=client_cafile, client_capath=client_capath,
-                client_auth_required=client_auth_required)
-        except socket.gaierror as exc:
-            raise ValueError(f"mlx-watchdog metrics server: address {addr!r} (port {port}) is not a "
-                             f"host name or IP address of this machine: {exc}") from exc
-        except OSError as exc:
-            raise OSError(exc.errno, f"mlx-watchdog metrics server: cannot listen on {where}: "
-                                     f"{_bind_hint(exc, port)}") from exc
-        bound = MetricsServer(addr, int(server.server_address[1]), server, thread, registry, tls)
-        thread.name = f"mlx-watchdog-metrics-{bound.port}"
+            server.start()
+        except BaseException:
+            sock.close()
+            raise
+        bound = MetricsServer(addr, int(server.server_address[1]), server, server.thread, registry, tls)
         _servers[(addr, bound.port)] = bound
         logger.info("mlx-watchdog: metrics at %s", bound.url)
         return bound
+
+
+def _listen(addr: str, port: int) -> socket.socket:
+    """A listening socket on addr:port (the first address it resolves to), or a clear error."""
+    where = f"{addr}:{port}"
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"mlx-watchdog metrics server: address {addr!r} (port {port}) is not a "
+                         f"host name or IP address of this machine: {exc}") from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"mlx-watchdog metrics server: cannot listen on {where}: "
+                                 f"{_bind_hint(exc, port)}") from exc
+    return sock
+
+
+def _check_positive(label: str, value, integer: bool = False) -> None:
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0 or \
+            (not integer and not math.isfinite(value)):
+        raise ValueError(f"{label} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
 
 def _check_port(label: str, port) -> None:
@@ -511,18 +653,20 @@ def _check_tls(certfile, keyfile, client_cafile, client_capath, client_auth_requ
     return tls
 
 
-def _preload_tls(where, certfile, keyfile, cafile, capath) -> None:
-    """Load the TLS files before binding: prometheus_client binds first and would keep the port
-    open when a file is bad."""
+def _tls_context(where, certfile, keyfile, cafile, capath, client_auth_required) -> ssl.SSLContext:
+    """The server's TLS context, loaded before binding so that a bad file leaves no port open."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         context.load_cert_chain(certfile=certfile, keyfile=keyfile)
         if cafile or capath:
             context.load_verify_locations(cafile, capath)
+            context.verify_mode = ssl.CERT_REQUIRED if client_auth_required else ssl.CERT_OPTIONAL
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"mlx-watchdog metrics server on {where}: cannot load the TLS files "
                          f"(certfile={certfile!r}, keyfile={keyfile!r}, client_cafile={cafile!r}, "
                          f"client_capath={capath!r}): {exc}") from exc
+    return context
 
 
 def _bind_hint(exc: OSError, port: int) -> str:

@@ -11,7 +11,8 @@ tests/test_grafana.py fails when the committed JSON and this script disagree.
 sharing externally" OFF and port the change back here.)
 
 Target: Grafana 10.4 / 11.x, classic dashboard JSON, schemaVersion 39.
-Standard library only.
+Standard library only (docs/dashboard.md says why not Grafana's grafana-foundation-sdk,
+after trying it).
 """
 from __future__ import annotations
 
@@ -257,7 +258,7 @@ def build() -> dict:
             "The same forecast in wall-clock time: steps to limit divided by the current decode step rate. "
             "'not growing' (+Inf) means no leak, or no decoding right now (step rate 0). Orange below "
             f"{SOON_SECONDS // 60} minutes, red below {IMMINENT_SECONDS // 60} minutes (the alert thresholds).",
-            [target(f"mlx_watchdog_seconds_to_limit{{{SEL}}}")],
+            [target(f"mlx_watchdog_time_to_limit_seconds{{{SEL}}}")],
             "s",
             thresholds((None, "red"), (IMMINENT_SECONDS, "orange"), (SOON_SECONDS, "green")),
             mappings=NOT_GROWING,
@@ -442,7 +443,9 @@ def build() -> dict:
             "Buffers per step attributed to each cache attribute (`site`) over time, per process. Use it "
             "to see when a site started leaking and whether `--fix` stopped it: with the fix on, a site it "
             "cuts moves to the dashed \"cut by the fix\" series (what it would add unrepaired). The alert "
-            "MLXWatchdogLeakSiteGrowing fires when a site nothing repairs stays above 0.5 for 10 minutes.",
+            "MLXWatchdogLeakSiteGrowing fires when a site nothing repairs stays above 0.5 whenever it is "
+            "measured while decoding, for 10 minutes. Past 20 sites per process the rest are summed as "
+            "site=\"other\" (mlx_watchdog_folded_leak_sites says how many).",
             [target(f"mlx_watchdog_leak_buffers_per_step{{{SEL}}}", legend="{{site}} {{watchdog}} {{instance}} {{rank}}"),
              target(f"mlx_watchdog_fixed_leak_buffers_per_step{{{SEL}}}", ref="B",
                     legend="cut by the fix: {{site}} {{watchdog}} {{instance}} {{rank}}")],
@@ -496,17 +499,10 @@ def build() -> dict:
     L.add(
         timeseries(
             "Decode step rate",
-            "Decode steps per second (about tokens per second per sequence). 'reported' is the watchdog's "
-            "own estimate, used to turn steps-to-limit into time-to-limit; 'counted' is Prometheus' rate "
-            "of mlx_watchdog_steps_total. 0 while the model is idle.",
-            [
-                target(f"mlx_watchdog_step_rate{{{SEL}}}", legend="reported " + LEGEND, ref="A"),
-                target(
-                    f"rate(mlx_watchdog_steps_total{{{SEL}}}[$__rate_interval])",
-                    legend="counted " + LEGEND,
-                    ref="B",
-                ),
-            ],
+            "Decode steps per second (about tokens per second per sequence): Prometheus' rate of "
+            "mlx_watchdog_steps_total (forward passes with a cache: decode steps plus prefill chunks). "
+            "The watchdog's own step rate turns steps-to-limit into time-to-limit. 0 while the model is idle.",
+            [target(f"rate(mlx_watchdog_steps_total{{{SEL}}}[$__rate_interval])")],
             "suffix:steps/s",
             minimum=0,
         ),
@@ -539,10 +535,13 @@ def build() -> dict:
     L.add(
         timeseries(
             "Process resident memory (RSS)",
-            "Resident set size of the whole Python process as the operating system reports it. On Apple "
-            "silicon (unified memory) GPU buffers are not necessarily counted here; compare with MLX "
-            "active memory on the left.",
-            [target(f"mlx_watchdog_process_resident_memory_bytes{{{SEL}}}")],
+            "Resident set size of the whole Python process as the operating system reports it: the "
+            "standard process_resident_memory_bytes of prometheus_client's process collector (psutil's "
+            "reading on macOS, which has no /proc), of the targets that run the selected watchdogs. On "
+            "Apple silicon (unified memory) GPU buffers are not necessarily counted here; compare with "
+            "MLX active memory on the left.",
+            [target(f"process_resident_memory_bytes and on(job, instance) mlx_watchdog_info{{{SEL}}}",
+                    legend="{{instance}}")],
             "bytes",
             minimum=0,
         ),
@@ -650,6 +649,21 @@ def build() -> dict:
             custom={"drawStyle": "bars", "fillOpacity": 80, "lineWidth": 1, "thresholdsStyle": {"mode": "area"}},
             th=thresholds((None, "green"), (0.5, "red")),
             minimum=0,
+            decimals=0,
+        ),
+        w=6,
+        h=7,
+    )
+    L.add(
+        stat(
+            "Leak sites folded into \"other\"",
+            "How many leak sites the exporter summed into the site=\"other\" series of 'Leak per site' "
+            "(mlx_watchdog_folded_leak_sites): it keeps the 20 largest per process (start_metrics_server("
+            "max_sites=...)) so that a program with many leaking objects cannot flood Prometheus with "
+            "series. 0 means every site has its own series.",
+            [target(f"mlx_watchdog_folded_leak_sites{{{SEL}}}")],
+            "none",
+            thresholds((None, "green"), (1, "orange")),
             decimals=0,
         ),
         w=6,

@@ -39,7 +39,7 @@ from mlx_watchdog import Watchdog
 from mlx_watchdog.attach import unwatch_model, watch_model
 from mlx_watchdog.exporters.prometheus import WatchdogCollector, start_metrics_server
 from mlx_watchdog.tiny import build_model, tiny_prompts
-from support import (JOB, LOOPBACK, prom_api, prom_query, require_binary, start_alertmanager,
+from support import (JOB, LOOPBACK, log_tail, prom_api, prom_query, require_binary, start_alertmanager,
                      start_prometheus, stop_process)
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is needed (pip install pyyaml; it is in the [test] extra)")
@@ -117,12 +117,13 @@ def plan_decode(model, prompts) -> Plan:
 
 # --------------------------------------------------------------------------- test configs
 
-def write_test_rules(path: Path, plan: Plan) -> dict:
-    """The project's rules with the group interval, three `for:` and the thresholds rewritten.
-    Returns the original rules by name, to compare."""
+def write_test_rules(path: Path, plan: Optional[Plan], test_for: dict[str, str] = TEST_FOR) -> dict:
+    """The project's rules with the group interval, the `for:` of the alerts in ``test_for`` and
+    the thresholds of ``plan`` (none without a plan) rewritten. Returns the original rules by
+    name, to compare."""
     doc = yaml.safe_load(RULES.read_text(encoding="utf-8"))
     original = {r.get("alert") or r.get("record"): dict(r) for g in doc["groups"] for r in g["rules"]}
-    thresholds = plan.thresholds
+    thresholds = plan.thresholds if plan else {}
     changed_for, changed_thresholds = set(), set()
     for group in doc["groups"]:
         # The group's own `interval` (15s) overrides Prometheus' evaluation_interval.
@@ -131,13 +132,13 @@ def write_test_rules(path: Path, plan: Plan) -> dict:
             if rule.get("record") in thresholds:
                 rule["expr"] = f"vector({thresholds[rule['record']]})"
                 changed_thresholds.add(rule["record"])
-            if rule.get("alert") in TEST_FOR:
+            if rule.get("alert") in test_for:
                 assert "for" in rule, f"{rule['alert']} has no `for:` any more: revisit TEST_FOR"
-                rule["for"] = TEST_FOR[rule["alert"]]
+                rule["for"] = test_for[rule["alert"]]
                 changed_for.add(rule["alert"])
     # A renamed rule or threshold must fail here, not silently test the real (slow) values.
     assert changed_thresholds == set(thresholds), f"threshold rules missing from {RULES}"
-    assert changed_for == set(TEST_FOR), f"alerts missing from {RULES}"
+    assert changed_for == set(test_for), f"alerts missing from {RULES}"
     path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     rewritten = {r.get("alert") or r.get("record"): r for g in yaml.safe_load(path.read_text())["groups"]
                  for r in g["rules"]}
@@ -212,11 +213,11 @@ class Webhook:
         self.thread = threading.Thread(target=self.server.serve_forever, name="e2e-webhook", daemon=True)
         self.thread.start()
 
-    def firing(self, alertname: str) -> list[Notification]:
+    def firing(self, alertname: str, watchdog: str = NAME) -> list[Notification]:
         with self._lock:
             return [n for n in self.notifications if n.alert.get("status") == "firing"
                     and n.alert.get("labels", {}).get("alertname") == alertname
-                    and n.alert.get("labels", {}).get("watchdog") == NAME]
+                    and n.alert.get("labels", {}).get("watchdog") == watchdog]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -272,6 +273,34 @@ class PacedDecode(threading.Thread):
         self.join(timeout=30)
 
 
+# --------------------------------------------------------------------------- the stack
+
+def start_alerting(tmp_path: Path, request, wd: Watchdog, plan: Optional[Plan], test_for: dict[str, str]):
+    """The webhook, a real Alertmanager with the project's config, the metrics server of ``wd``
+    alone, and a real Prometheus running the project's rules (rewritten by write_test_rules);
+    all stopped at the end of the test. Returns (webhook, metrics server, Prometheus URL, the
+    original rules by name)."""
+    webhook = Webhook(wd)
+    request.addfinalizer(webhook.close)
+    am_config = tmp_path / "alertmanager.yml"
+    write_test_alertmanager_config(am_config, webhook.url)
+    am_proc, am_url = start_alertmanager(tmp_path, am_config)
+    request.addfinalizer(lambda: stop_process(am_proc))
+
+    # Only this watchdog (other tests' live watchdogs would add series, or a `rank` label).
+    registry = CollectorRegistry()
+    registry.register(WatchdogCollector([wd]))
+    metrics = start_metrics_server(0, registry=registry)
+    request.addfinalizer(metrics.close)
+
+    rules = tmp_path / "rules.yml"
+    original = write_test_rules(rules, plan, test_for)
+    prom_proc, prom_url = start_prometheus(tmp_path, [f"{LOOPBACK}:{metrics.port}"], rule_files=[rules],
+                                           alertmanager_url=am_url)
+    request.addfinalizer(lambda: stop_process(prom_proc))
+    return webhook, metrics, prom_url, original
+
+
 # --------------------------------------------------------------------------- the test
 
 def wait_for(condition, timeout: float, interval: float = 0.2):
@@ -301,24 +330,7 @@ def test_alerts_reach_the_webhook_before_the_decode_reaches_its_limit(tmp_path, 
     watch_model(model, wd)
     request.addfinalizer(lambda: unwatch_model(model))
 
-    webhook = Webhook(wd)
-    request.addfinalizer(webhook.close)
-    am_config = tmp_path / "alertmanager.yml"
-    write_test_alertmanager_config(am_config, webhook.url)
-    am_proc, am_url = start_alertmanager(tmp_path, am_config)
-    request.addfinalizer(lambda: stop_process(am_proc))
-
-    # Only this watchdog (other tests' live watchdogs would add series, or a `rank` label).
-    registry = CollectorRegistry()
-    registry.register(WatchdogCollector([wd]))
-    metrics = start_metrics_server(0, registry=registry)
-    request.addfinalizer(metrics.close)
-
-    rules = tmp_path / "rules.yml"
-    original = write_test_rules(rules, plan)
-    prom_proc, prom_url = start_prometheus(tmp_path, [f"{LOOPBACK}:{metrics.port}"], rule_files=[rules],
-                                           alertmanager_url=am_url)
-    request.addfinalizer(lambda: stop_process(prom_proc))
+    webhook, metrics, prom_url, original = start_alerting(tmp_path, request, wd, plan, TEST_FOR)
 
     # Prometheus runs the rewritten copy (all rules, every second) and scrapes the exporter
     # before the decode starts, so the decode's time is not spent on start-up.
@@ -395,3 +407,49 @@ def test_alerts_reach_the_webhook_before_the_decode_reaches_its_limit(tmp_path, 
     assert wd.internal_errors == 0
     for payload in webhook.payloads:
         assert payload.get("receiver") == "default" and payload.get("version") == "4", payload
+
+
+# --------------------------------------------------------------------------- a watchdog that cannot measure
+
+CANNOT = "MLXWatchdogCannotMeasure"
+BLIND = "e2e-blind"
+
+
+def test_a_watchdog_that_cannot_measure_is_reported(tmp_path, request):
+    """A real decode the watchdog cannot measure: the program makes a new cache for every step,
+    so no cache lives for two readings and the growth per step stays unknown while the steps
+    climb. No forecast alert can fire for it; MLXWatchdogCannotMeasure must (its `for:` cut to
+    2 s; its expression, with its 10-minute windows, is the project's)."""
+    require_binary("prometheus")
+    require_binary("prometheus-alertmanager", "alertmanager")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx.core as mx
+
+    model = build_model("llama", layers=2)
+    wd = Watchdog(name=BLIND, export=False)
+    watch_model(model, wd)
+    request.addfinalizer(lambda: unwatch_model(model))
+
+    webhook, metrics, prom_url, _ = start_alerting(tmp_path, request, wd, None, {CANNOT: "2s"})
+    assert wait_for(lambda: prom_query(prom_url, f'up{{job="{JOB}"}} == 1'), 15), "the exporter was never scraped"
+
+    token = mx.array([[1]])
+    deadline = time.monotonic() + 45
+    while not webhook.firing(CANNOT, BLIND) and time.monotonic() < deadline:
+        cache = make_prompt_cache(model)  # a fresh cache every step
+        mx.eval(model(token, cache=cache))
+        time.sleep(0.02)
+    got = webhook.firing(CANNOT, BLIND)
+    f = wd.forecast()
+    assert got, (f"{CANNOT} never reached the webhook in 45 s ({wd.steps} steps, rate known: {f.rate_known}); "
+                 f"{log_tail(tmp_path / 'prometheus.log')}")
+    alert = got[0].alert
+    assert alert["labels"]["reason"] == "growth not measured" and alert["labels"]["job"] == JOB
+    assert alert["labels"]["instance"] == f"{LOOPBACK}:{metrics.port}"
+    steps = re.match(r"(\d+) decode steps in the last 10 minutes", alert["annotations"]["description"])
+    # increase() extrapolates a little past the samples; the steps so far bound it otherwise
+    assert steps and 100 < int(steps[1]) <= 1.2 * wd.steps, alert["annotations"]["description"]
+    assert not f.rate_known and wd.steps > 100 and wd.internal_errors == 0
+    # The forecast alerts had nothing to go on: the growth was never a number.
+    assert not any(webhook.firing(name, BLIND) for name in (SOON, IMMINENT, LEAK_ALERT))

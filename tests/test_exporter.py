@@ -19,6 +19,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -45,12 +46,11 @@ from support import free_port, http_get, log_tail, prom_query, require_binary, s
 # independently of the exporter's own table.
 GAUGES = {
     "mlx_watchdog_resident_buffers", "mlx_watchdog_resource_limit_buffers",
-    "mlx_watchdog_buffers_per_step", "mlx_watchdog_steps_to_limit", "mlx_watchdog_seconds_to_limit",
+    "mlx_watchdog_buffers_per_step", "mlx_watchdog_steps_to_limit", "mlx_watchdog_time_to_limit_seconds",
     "mlx_watchdog_pending_graph_nodes", "mlx_watchdog_leak_buffers_per_step",
-    "mlx_watchdog_fixed_leak_buffers_per_step", "mlx_watchdog_step_rate",
+    "mlx_watchdog_fixed_leak_buffers_per_step", "mlx_watchdog_folded_leak_sites",
     "mlx_watchdog_memory_active_bytes", "mlx_watchdog_memory_peak_bytes",
-    "mlx_watchdog_memory_cache_bytes", "mlx_watchdog_memory_limit_bytes",
-    "mlx_watchdog_process_resident_memory_bytes", "mlx_watchdog_info",
+    "mlx_watchdog_memory_cache_bytes", "mlx_watchdog_memory_limit_bytes", "mlx_watchdog_info",
     "mlx_watchdog_prefill_graph_nodes", "mlx_watchdog_max_safe_prefill_tokens",
     "mlx_watchdog_rate_known", "mlx_watchdog_decoding",
 }
@@ -215,10 +215,10 @@ def test_values_match_the_forecast_during_a_leaky_decode(leaky, flat, registry):
         assert f.buffers_per_step == pytest.approx(LEAK_PER_STEP, rel=0.1)
         assert value(families, "mlx_watchdog_steps_to_limit", **label) == pytest.approx(f.steps_to_limit)
         assert math.isfinite(f.steps_to_limit) and f.steps_to_limit > 0
-        assert value(families, "mlx_watchdog_seconds_to_limit", **label) == pytest.approx(f.seconds_to_limit)
+        assert value(families, "mlx_watchdog_time_to_limit_seconds", **label) == pytest.approx(f.seconds_to_limit)
+        assert f.seconds_to_limit == pytest.approx(f.steps_to_limit / f.step_rate) and f.step_rate > 0
         assert value(families, "mlx_watchdog_pending_graph_nodes", **label) == f.pending_graph_nodes
-        assert value(families, "mlx_watchdog_step_rate", **label) == pytest.approx(f.step_rate)
-        assert f.step_rate > 0
+        assert value(families, "mlx_watchdog_folded_leak_sites", **label) == 0
         assert [leak.site for leak in f.leaks] == [LEAK_SITE]
         assert value(families, "mlx_watchdog_leak_buffers_per_step", site=LEAK_SITE, **label) == \
             pytest.approx(f.leaks[0].buffers_per_step)
@@ -231,7 +231,7 @@ def test_values_match_the_forecast_during_a_leaky_decode(leaky, flat, registry):
     flat_label = {"watchdog": "exp-flat"}
     assert value(families, "mlx_watchdog_buffers_per_step", **flat_label) == 0
     assert value(families, "mlx_watchdog_steps_to_limit", **flat_label) == math.inf
-    assert value(families, "mlx_watchdog_seconds_to_limit", **flat_label) == math.inf
+    assert value(families, "mlx_watchdog_time_to_limit_seconds", **flat_label) == math.inf
     assert not samples(families, "mlx_watchdog_leak_buffers_per_step", **flat_label)
     assert value(families, "mlx_watchdog_steps_total", **flat_label) == flat.wd.steps
 
@@ -256,8 +256,8 @@ def test_memory_readings(leaky, registry):
     assert 0 < active <= value(families, "mlx_watchdog_memory_peak_bytes", **label)
     assert value(families, "mlx_watchdog_memory_cache_bytes", **label) >= 0
     assert value(families, "mlx_watchdog_memory_limit_bytes", **label) == mx.get_memory_limit()
-    rss = value(families, "mlx_watchdog_process_resident_memory_bytes", **label)
-    assert rss == pytest.approx(psutil.Process().memory_info().rss, rel=0.2)
+    # The process's memory is the standard process collector's, not a watchdog metric.
+    assert not [name for name in families if "process" in name and name.startswith("mlx_watchdog")]
 
 
 def test_export_false_is_left_out_unless_listed(leaky, registry):
@@ -292,10 +292,14 @@ def test_one_broken_watchdog_does_not_break_the_scrape(leaky):
     reg.register(exporter.WatchdogCollector([broken, leaky.wd]))
     families = scrape(reg)
     assert samples(families, "mlx_watchdog_steps_total", watchdog="exp-leaky")
-    assert not any(s.labels.get("watchdog") == "exp-broken" for f in families.values() for s in f.samples)
+    # Of the broken one only its counters go out (an alert on internal errors can see it).
+    mine = {s.name for f in families.values() for s in f.samples if s.labels.get("watchdog") == "exp-broken"}
+    assert mine == {"mlx_watchdog_steps_total", "mlx_watchdog_internal_errors_total"}
+    assert value(families, "mlx_watchdog_internal_errors_total", watchdog="exp-broken") == 1
     assert broken.internal_errors == 1
-    scrape(reg)
+    families = scrape(reg)
     assert broken.internal_errors == 2  # counted once per failed scrape
+    assert value(families, "mlx_watchdog_internal_errors_total", watchdog="exp-broken") == 2
 
 
 def test_same_names_get_distinct_labels():
@@ -594,3 +598,288 @@ def test_real_prometheus_scrapes_the_forecast(prometheus, leaky, flat, registry)
         assert query(base, 'up{job="mlx-watchdog"}') == {"up": 1.0}
     finally:
         server.close()
+
+
+# --------------------------------------------------------------------------- the real scrape, linted
+
+def test_promtool_check_metrics_on_a_real_http_scrape(leaky, flat):
+    # What Prometheus gets: the global registry (process, platform and gc collectors beside the
+    # watchdogs), over HTTP from start_metrics_server.
+    promtool = require_binary("promtool")
+    server = exporter.start_metrics_server(0)
+    try:
+        status, body = http_get(server.url)
+    finally:
+        server.close()
+    assert status == 200
+    names = {s.name for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert {"mlx_watchdog_time_to_limit_seconds", "mlx_watchdog_steps_total"} <= names
+    assert "process_resident_memory_bytes" in names  # the standard collector's, on Linux from /proc
+    result = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=30)
+    findings = (result.stdout + result.stderr).decode().strip()
+    assert result.returncode == 0 and findings == "", f"promtool check metrics:\n{findings}"
+
+
+def test_process_metrics_from_psutil_where_proc_is_missing():
+    from prometheus_client import ProcessCollector
+
+    # Where /proc exists the standard collector does it: nothing is added.
+    assert exporter.register_process_collector(CollectorRegistry()) is None
+    # Where it does not (macOS), the psutil collector exports the standard names.
+    no_proc = ProcessCollector(registry=None, proc="/nonexistent-procfs")
+    reg = CollectorRegistry()
+    added = exporter.register_process_collector(reg, probe=no_proc)
+    assert isinstance(added, exporter.PsutilProcessCollector)
+    assert exporter.register_process_collector(reg, probe=no_proc) is None  # once
+    # Against an independent reading of the same process: prometheus_client's /proc collector.
+    truth = CollectorRegistry()
+    ProcessCollector(registry=truth)
+    for name, rel, abs_ in (("process_resident_memory_bytes", 0.2, 0), ("process_virtual_memory_bytes", 0.2, 0),
+                            ("process_start_time_seconds", 0, 1.5), ("process_cpu_seconds_total", 0.05, 0.5),
+                            ("process_open_fds", 0, 5)):
+        got, want = reg.get_sample_value(name), truth.get_sample_value(name)
+        assert got is not None and want is not None, name
+        assert got == pytest.approx(want, rel=rel, abs=abs_), name
+    promtool = require_binary("promtool")
+    result = subprocess.run([promtool, "check", "metrics"], input=generate_latest(reg), capture_output=True, timeout=30)
+    assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), result
+
+
+# --------------------------------------------------------------------------- site series: bounded
+
+def leaking_objects(n: int) -> list:
+    """n objects of n classes, each with one 0-d array that `x = x - 1` strands a buffer of per step."""
+    objects = []
+    for i in range(n):
+        obj = type(f"LeakyCache{i:02d}", (), {})()
+        obj.offset = mx.array(0)
+        objects.append(obj)
+    mx.eval([o.offset for o in objects])
+    return objects
+
+
+def step_leaking(wd: Watchdog, objects: list, steps: int) -> None:
+    for _ in range(steps):
+        wd.observe(objects)
+        for obj in objects:
+            obj.offset = obj.offset - 1
+
+
+def test_site_series_are_capped_and_the_rest_summed_into_other():
+    objects = leaking_objects(30)
+    wd = Watchdog(name="exp-many-sites", overhead_budget=0.5, walk_interval=0, export=False)
+    step_leaking(wd, objects, 40)
+    f = wd.forecast()
+    # The truth: 30 sites that each leak one buffer per step.
+    assert sorted(leak.site for leak in f.leaks) == [f"LeakyCache{i:02d}.offset" for i in range(30)]
+    assert all(leak.buffers_per_step == pytest.approx(1) for leak in f.leaks)
+    collector = exporter.WatchdogCollector([wd])
+    reg = CollectorRegistry()
+    reg.register(collector)
+    for max_sites in (exporter.DEFAULT_MAX_SITES, 5):
+        collector.max_sites = max_sites
+        families = scrape(reg)
+        series = samples(families, "mlx_watchdog_leak_buffers_per_step")
+        assert len(series) == max_sites
+        by_site = {s.labels["site"]: s.value for s in series}
+        folded = 30 - (max_sites - 1)
+        assert by_site["other"] == pytest.approx(folded)  # the folded sites' sum
+        assert sum(by_site.values()) == pytest.approx(f.buffers_per_step)  # nothing lost
+        assert value(families, "mlx_watchdog_folded_leak_sites") == folded
+    with pytest.raises(ValueError, match="max_sites"):
+        collector.max_sites = 1
+    with pytest.raises(ValueError, match="max_sites"):
+        exporter.WatchdogCollector([wd], max_sites=True)
+
+
+# Issue 15 item 3 has two halves: the count of site series (this branch, tested above) and the
+# label text (the walk's site naming, another branch). This test checks the text half; it fails
+# until the walk names a dict key that is not a short identifier with a placeholder.
+@pytest.mark.xfail(strict=True, reason="site label text is sanitized on the walk branch (issue 15 item 3); "
+                                       "remove this mark once it is merged")
+def test_no_key_text_of_a_user_dict_reaches_the_metrics():
+    from collections import OrderedDict
+
+    secret = "alice0@example.com: my password is hunter0"
+
+    class SessionCache:
+        pass
+
+    cache = SessionCache()
+    cache.state = OrderedDict({secret: mx.array(0)})
+    mx.eval(cache.state[secret])
+    wd = Watchdog(name="exp-private", overhead_budget=0.5, walk_interval=0, export=False)
+    for _ in range(40):
+        wd.observe([cache])
+        cache.state[secret] = cache.state[secret] - 1  # a leaking lazy array under the key
+    assert [leak.buffers_per_step for leak in wd.forecast().leaks] == [pytest.approx(1)]  # it is seen
+    reg = CollectorRegistry()
+    reg.register(exporter.WatchdogCollector([wd]))
+    text = generate_latest(reg).decode()
+    assert samples(families_of(text), "mlx_watchdog_leak_buffers_per_step")  # exported, under some name
+    for fragment in ("alice0", "example.com", "hunter0", "password"):
+        assert fragment not in text, fragment
+
+
+# --------------------------------------------------------------------------- the server under abuse
+
+def _threads() -> int:
+    return psutil.Process().num_threads()
+
+
+def _server_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("mlx-watchdog-metrics")]
+
+
+@pytest.fixture
+def tls_files(tmp_path):
+    return make_cert(tmp_path, "server")
+
+
+@pytest.mark.parametrize("use_tls", [False, True], ids=["http", "https"])
+def test_300_idle_connections_do_not_stop_a_scrape(leaky, registry, tls_files, use_tls):
+    cert, key = tls_files
+    options = {"certfile": cert, "keyfile": key} if use_tls else {}
+    context = ssl.create_default_context(cafile=cert) if use_tls else None
+    before = _threads()
+    server = exporter.start_metrics_server(0, registry=registry, **options)
+    idle = []
+    try:
+        for _ in range(300):  # connect, send nothing (no request, no TLS handshake)
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        t0 = time.monotonic()
+        status, body = http_get(server.url, timeout=5, context=context)
+        took = time.monotonic() - t0
+        assert status == 200 and b'mlx_watchdog_steps_total{watchdog="exp-leaky"}' in body
+        assert took < 3, f"the scrape took {took:.1f} s beside 300 idle connections"
+        assert _threads() - before <= 3, f"threads {before} -> {_threads()}"  # loop + render (+1 slack)
+        assert len(_server_threads()) == 2, _server_threads()
+        assert server.server.open_connections <= exporter.DEFAULT_MAX_CONNECTIONS
+        if sys.version_info >= (3, 11) or not use_tls:  # 3.10: TLS handshakes are not counted
+            assert server.server.evicted >= 300 - exporter.DEFAULT_MAX_CONNECTIONS
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+    assert _server_threads() == []  # close() joined its threads
+
+
+def test_an_idle_connection_is_closed_after_idle_timeout(registry):
+    server = exporter.start_metrics_server(0, registry=registry, idle_timeout=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            t0 = time.monotonic()
+            assert s.recv(1) == b""  # closed by the server
+            assert 0.3 < time.monotonic() - t0 < 3
+    finally:
+        server.close()
+
+
+def test_a_request_trickled_byte_by_byte_is_cut_at_idle_timeout(registry):
+    server = exporter.start_metrics_server(0, registry=registry, idle_timeout=1.0)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            t0 = time.monotonic()
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            closed = False
+            for _ in range(40):  # a header byte every 0.1 s: never silent for a whole second
+                time.sleep(0.1)
+                try:
+                    s.sendall(b"X")
+                except OSError:
+                    closed = True
+                    break
+            if not closed:
+                s.settimeout(3)
+                closed = s.recv(1) == b""
+            assert closed and time.monotonic() - t0 < 4, "the trickling client was kept"
+    finally:
+        server.close()
+
+
+def test_huge_headers_are_refused_without_growing_memory(registry):
+    server = exporter.start_metrics_server(0, registry=registry)
+    # Lines under 64 KiB, as many as http.server accepts (it buffered all: +224 MiB measured).
+    header = b"X-Filler: " + b"a" * 60_000 + b"\r\n"
+    clients = []
+    try:
+        rss_before = psutil.Process().memory_info().rss
+        for _ in range(60):  # 60 clients x 3.8 MB of headers that never end
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            clients.append(s)
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            try:
+                for _ in range(64):
+                    s.sendall(header)
+            except OSError:  # the server answered 431 and closed: what is expected
+                pass
+        grown = psutil.Process().memory_info().rss - rss_before
+        replies = []
+        for s in clients:
+            try:
+                replies.append(s.recv(64))
+            except OSError:
+                replies.append(b"")
+        assert grown < 64 << 20, f"RSS grew {grown / 2**20:.0f} MiB for 230 MB of headers sent"
+        assert sum(r.startswith(b"HTTP/1.1 431") for r in replies) >= 30, replies[:5]
+        status, _ = http_get(server.url, timeout=5)
+        assert status == 200
+    finally:
+        for s in clients:
+            s.close()
+        server.close()
+
+
+def test_keep_alive_head_gzip_and_bad_requests(leaky, registry):
+    import gzip
+    import http.client
+
+    server = exporter.start_metrics_server(0, registry=registry)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        for _ in range(3):  # one connection, three scrapes (Prometheus keeps its connection alive)
+            conn.request("GET", "/metrics", headers={"Accept-Encoding": "gzip"})
+            reply = conn.getresponse()
+            body = gzip.decompress(reply.read())
+            assert reply.status == 200 and reply.getheader("Content-Encoding") == "gzip"
+            assert b"mlx_watchdog_resident_buffers" in body
+        conn.request("HEAD", "/metrics")
+        reply = conn.getresponse()
+        assert reply.status == 200 and reply.read() == b""
+        conn.request("GET", "/metrics?name[]=mlx_watchdog_steps_total")  # prometheus_client's filter
+        assert set(families_of(conn.getresponse().read().decode())) == {"mlx_watchdog_steps"}
+        conn.close()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.1 400")
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("option, bad", [("max_connections", 0), ("max_connections", 2.5), ("idle_timeout", 0),
+                                         ("idle_timeout", math.inf), ("max_header_bytes", -1),
+                                         ("max_sites", 1)])
+def test_bad_server_options_are_value_errors(registry, option, bad):
+    with pytest.raises(ValueError, match=option):
+        exporter.start_metrics_server(0, registry=registry, **{option: bad})
+
+
+def test_a_site_that_stops_leaking_reads_0_instead_of_vanishing():
+    objects = leaking_objects(3)
+    wd = Watchdog(name="exp-stopping", overhead_budget=0.5, walk_interval=0, export=False)
+    reg = CollectorRegistry()
+    reg.register(exporter.WatchdogCollector([wd]))
+    step_leaking(wd, objects, 40)
+    assert len(wd.forecast().leaks) == 3
+    first = {s.labels["site"]: s.value for s in samples(scrape(reg), "mlx_watchdog_leak_buffers_per_step")}
+    assert first == {f"LeakyCache{i:02d}.offset": pytest.approx(1) for i in range(3)}
+    # Two of the three stop leaking: their chains are evaluated and they stay so.
+    mx.eval(objects[1].offset, objects[2].offset)
+    for _ in range(200):
+        wd.observe(objects)
+        objects[0].offset = objects[0].offset - 1
+        if [leak.site for leak in wd.forecast().leaks] == ["LeakyCache00.offset"]:
+            break
+    assert [leak.site for leak in wd.forecast().leaks] == ["LeakyCache00.offset"], wd.forecast().leaks
+    after = {s.labels["site"]: s.value for s in samples(scrape(reg), "mlx_watchdog_leak_buffers_per_step")}
+    assert after == {"LeakyCache00.offset": pytest.approx(1), "LeakyCache01.offset": 0, "LeakyCache02.offset": 0}

@@ -54,15 +54,14 @@ CONTRACT = frozenset(
         "mlx_watchdog_resource_limit_buffers",
         "mlx_watchdog_buffers_per_step",
         "mlx_watchdog_steps_to_limit",
-        "mlx_watchdog_seconds_to_limit",
+        "mlx_watchdog_time_to_limit_seconds",
         "mlx_watchdog_pending_graph_nodes",
         "mlx_watchdog_leak_buffers_per_step",
-        "mlx_watchdog_step_rate",
+        "mlx_watchdog_folded_leak_sites",
         "mlx_watchdog_memory_active_bytes",
         "mlx_watchdog_memory_peak_bytes",
         "mlx_watchdog_memory_cache_bytes",
         "mlx_watchdog_memory_limit_bytes",
-        "mlx_watchdog_process_resident_memory_bytes",
         "mlx_watchdog_prefill_graph_nodes",
         "mlx_watchdog_max_safe_prefill_tokens",
         "mlx_watchdog_info",
@@ -198,6 +197,28 @@ def test_promtool_test_rules():
     assert "SUCCESS" in r.stdout + r.stderr
 
 
+def test_the_job_name_is_changed_in_one_place(tmp_path):
+    # Rename the scrape job in the one rule that names it, and the job in the test data: every
+    # rule test passes again. No other rule may name the job.
+    promtool = require_binary("promtool")
+    job_rules = [r for r in load_rules() if "job=" in r["expr"]]
+    assert [r.get("record") for r in job_rules] == ["mlx_watchdog:up"], "the job name is in one rule only"
+    rules = RULES.read_text(encoding="utf-8")
+    (tmp_path / RULES.name).write_text(rules.replace(f'job="{JOB}"', 'job="llm-serve"'), encoding="utf-8")
+    tests = RULE_TESTS.read_text(encoding="utf-8")
+    renamed = re.sub(rf'job="{JOB}"', 'job="llm-serve"', tests)
+    renamed = re.sub(rf"job: {JOB}\b", "job: llm-serve", renamed)
+    renamed = re.sub(rf"\bjob {JOB}\b", "job llm-serve", renamed)  # in the expected annotations
+    assert renamed.count("llm-serve") > 50
+    (tmp_path / RULE_TESTS.name).write_text(renamed, encoding="utf-8")
+    r = run([promtool, "test", "rules", RULE_TESTS.name], cwd=tmp_path)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout + r.stderr, r.stdout + r.stderr
+    # And the original rules do not see the renamed job: the one place is the one that counts.
+    (tmp_path / RULES.name).write_text(rules, encoding="utf-8")
+    r = run([promtool, "test", "rules", RULE_TESTS.name], cwd=tmp_path)
+    assert r.returncode != 0
+
+
 @pytest.mark.parametrize("config", PROM_CONFIGS, ids=lambda p: p.name)
 def test_promtool_check_config(config: Path):
     # Also checks the rule files and the file_sd target files the config names.
@@ -213,6 +234,7 @@ def test_rule_tests_cover_every_alert_firing_and_silent():
         "MLXWatchdogResourceLimitImminent",
         "MLXWatchdogLeakSiteGrowing",
         "MLXWatchdogTargetAbsent",
+        "MLXWatchdogCannotMeasure",
     }
     assert expected <= alerts
     doc = yaml.safe_load(RULE_TESTS.read_text(encoding="utf-8"))
@@ -434,19 +456,20 @@ def synthetic_openmetrics(end: int) -> str:
         add("mlx_watchdog_resource_limit_buffers", labels, [limit] * n)
         add("mlx_watchdog_buffers_per_step", labels, [growth] * n)
         add("mlx_watchdog_steps_to_limit", labels, to_limit)
-        add("mlx_watchdog_seconds_to_limit", labels, [s / step_rate for s in to_limit])
+        add("mlx_watchdog_time_to_limit_seconds", labels, [s / step_rate for s in to_limit])
         add("mlx_watchdog_pending_graph_nodes", labels, [3 + growth] * n)
         add("mlx_watchdog_leak_buffers_per_step", {**labels, "site": "ArraysCache.left_padding"}, [growth] * n)
         add("mlx_watchdog_leak_buffers_per_step", {**labels, "site": "KVCache.keys"}, [0.0] * n)
         add("mlx_watchdog_fixed_leak_buffers_per_step", {**labels, "site": "ArraysCache.offset"}, [1.0] * n)
-        add("mlx_watchdog_step_rate", labels, [step_rate] * n)
+        add("mlx_watchdog_folded_leak_sites", labels, [0.0] * n)
         add("mlx_watchdog_decoding", labels, [1] * n)
         add("mlx_watchdog_rate_known", labels, [1] * n)
         add("mlx_watchdog_memory_active_bytes", labels, [8e9 + 1e3 * s for s in steps])
         add("mlx_watchdog_memory_peak_bytes", labels, [9e9 + 1e3 * s for s in steps])
         add("mlx_watchdog_memory_cache_bytes", labels, [5e8] * n)
         add("mlx_watchdog_memory_limit_bytes", labels, [96e9] * n)
-        add("mlx_watchdog_process_resident_memory_bytes", labels, [2e9] * n)
+        # The standard process collector's: per target, without the exporter's labels.
+        add("process_resident_memory_bytes", {"job": JOB, "instance": base["instance"]}, [2e9] * n)
         add("mlx_watchdog_prefill_graph_nodes", labels, [12000.0] * n)
         add("mlx_watchdog_max_safe_prefill_tokens", labels, [32768.0] * n)
         info = {**labels, "version": "0.1.0", "mlx_version": "0.32.4", "mlx_lm_version": "0.32.2", "device": "gpu", "fix": fix}

@@ -274,7 +274,7 @@ def test_after_a_generation_nothing_is_forecast_to_grow():
     assert not f.decoding and f.step_rate == 0 and math.isinf(f.seconds_to_limit)
     values = exported(wd)
     assert values[("mlx_watchdog_decoding", None)] == 0
-    assert math.isinf(values[("mlx_watchdog_seconds_to_limit", None)])
+    assert math.isinf(values[("mlx_watchdog_time_to_limit_seconds", None)])
     assert math.isinf(values[("mlx_watchdog_steps_to_limit", None)])
     held = graph.account([a for c in cache for a in (c.keys, c.values, getattr(c, "tokens_seen", None))
                           if a is not None])
@@ -299,7 +299,7 @@ def test_a_pause_in_the_steps_reads_idle_and_the_next_steps_are_measured_afresh(
     f = wd.forecast()
     assert f.decoding and f.buffers_per_step == pytest.approx(1) and f.step_rate == pytest.approx(100)
     values = exported(wd)
-    assert values[("mlx_watchdog_seconds_to_limit", None)] == pytest.approx(f.seconds_to_limit)
+    assert values[("mlx_watchdog_time_to_limit_seconds", None)] == pytest.approx(f.seconds_to_limit)
     clock.now += core.IDLE_SECONDS + 0.5
     f = wd.forecast()
     assert not f.decoding and math.isinf(f.seconds_to_limit)
