@@ -33,17 +33,17 @@ SIZES = {
     ("moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size",
      "moe_shared_expert_intermediate_size", "shared_intermediate_size"): 32,
     ("num_attention_heads", "n_head", "num_heads", "num_query_heads", "n_heads", "num_swa_attention_heads",
-     "linear_num_value_heads", "mamba_n_heads", "mamba_num_heads"): 4,
+     "swa_num_attention_heads", "linear_num_value_heads", "mamba_n_heads", "mamba_num_heads"): 4,
     ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "num_attention_groups",
-     "num_global_key_value_heads", "num_swa_key_value_heads", "linear_num_key_heads"): 2,
+     "num_global_key_value_heads", "num_swa_key_value_heads", "swa_num_key_value_heads", "linear_num_key_heads"): 2,
     ("head_dim", "kv_channels", "hidden_size_per_head", "mamba_d_head", "mamba_head_dim", "global_head_dim",
-     "linear_key_head_dim", "linear_value_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim",
+     "linear_key_head_dim", "linear_value_head_dim", "swa_head_dim", "swa_v_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim",
      "hidden_size_per_layer_input"): 16,
     ("qk_rope_head_dim", "rotary_dim"): 8,
     ("kv_lora_rank", "q_lora_rank", "o_lora_rank", "a_low_rank_dim", "v_low_rank_dim", "gate_low_rank_dim",
      "decay_low_rank_dim"): 16,
     ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"): 4,
-    ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "index_n_heads"): 2,
+    ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "moe_top_k", "index_n_heads"): 2,
     ("n_shared_experts", "num_shared_experts", "num_shared_expert", "moe_num_shared_experts"): 1,
     ("n_group", "topk_group", "n_groups", "mamba_n_groups", "o_groups"): 1,
     ("index_topk",): 4,
@@ -135,6 +135,8 @@ PATTERNS = {
     "muse_spark": lambda n: {"rope_parameters": dict(_ROPE), "mlp_layer_types": ["sparse"] * n,
                              "num_shared_experts": 0},
     "openelm": lambda n: {"num_query_heads": [4] * n, "num_kv_heads": [2] * n, "ffn_multipliers": [2.0] * n},
+    "plamo": lambda n: {"n_shared_head": 2},
+    "spark2_5": lambda n: {"rope_parameters": {"full_attention": dict(_ROPE), "sliding_attention": dict(_ROPE)}},
     "llama4": lambda n: {"num_experts_per_tok": 1},
     "llama4_text": lambda n: {"num_experts_per_tok": 1, "no_rope_layers": _every(n, 4, 3, 0, 1)},
     "afmoe": lambda n: {"layer_types": ["full_attention" if i % 4 == 3 else "sliding_attention" for i in range(n)]},
@@ -221,6 +223,8 @@ def fill(args_class, name: str, layers: Optional[int] = None) -> dict:
                 default if isinstance(default, int) and default > 0 else DEFAULT_LAYERS)
         elif field.endswith(("eps", "epsilon")) and default is dataclasses.MISSING:
             config[field] = 1e-5
+        elif field == "rope_theta" and default is None:
+            config[field] = REQUIRED[field]
         elif default is not dataclasses.MISSING:
             continue  # the module's own default
         elif field in REQUIRED:
@@ -236,11 +240,16 @@ def fill(args_class, name: str, layers: Optional[int] = None) -> dict:
     return config
 
 
-def _text_args(module) -> Optional[tuple[type, str]]:
-    """The ModelArgs class (and its family) a wrapper builds its text model from."""
+def _text_args(module, depth: int = 0) -> Optional[tuple[type, str]]:
+    """The ModelArgs class (and its family) a wrapper builds its text model from: named in its
+    source, or in that of a sibling module it imports (qwen3_5_moe builds on qwen3_5)."""
     source = inspect.getsource(module)
     match = re.search(r"([\w.]+)\.from_dict\(\s*(?:args|self|config|params)\.text_config", source)
     if not match:
+        for sibling in re.findall(r"^from \.(\w+) import", source, re.M) if depth == 0 else ():
+            found = _text_args(load(sibling), depth + 1) if sibling not in ("base", "cache") else None
+            if found is not None:
+                return found
         return None
     target: Any = module
     for part in match.group(1).split("."):
@@ -256,9 +265,13 @@ def family_config(name: str, layers: Optional[int] = None) -> dict:
     config = fill(module.ModelArgs, name, layers)
     if "text_config" in config or "text_config" in _fields(module.ModelArgs):
         text = _text_args(module)
-        if text is not None:
+        if text is None:
+            raise ValueError(f"{name}: a text_config wrapper whose text model's arguments were not found")
+        else:
             args_class, text_name = text
-            config["text_config"] = fill(args_class, text_name, layers)
+            config["text_config"] = fill(args_class, text_name, layers or DEPTHS.get(name))
+            if not config["text_config"]:
+                raise ValueError(f"{name}: the text model's arguments were not found")
             if "vocab_size" in _fields(module.ModelArgs):
                 config["vocab_size"] = config["text_config"].get("vocab_size", 512)
     return config

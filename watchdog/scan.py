@@ -51,7 +51,7 @@ from .cli import EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, positive_int
 SCHEMA = "mlx-watchdog.scan/1"
 PATHS = ("plain", "batched", "unequal", "join", "quantized")
 DEFAULT_PATHS = ("plain", "batched", "unequal", "join")
-DEFAULT_STEPS = 200
+DEFAULT_STEPS = 100
 DEFAULT_TIMEOUT = 240.0
 LIMIT = 499_000
 LEAK_MIN_GROWTH = 0.01  # buffers/step: at or above this a path leaks
