@@ -211,13 +211,15 @@ def _by_type(annotation: Any) -> Any:
     return None
 
 
-def fill(args_class, name: str, layers: Optional[int] = None) -> dict:
-    """A config dict for ``args_class`` (see the module's docstring)."""
+def fill(args_class, name: str, layers: Optional[int] = None, sizes: Optional[dict] = None) -> dict:
+    """A config dict for ``args_class`` (see the module's docstring); ``sizes`` replace some of
+    ``SIZES`` (``{"head_dim": 32}``: a quantized KV cache needs rows of 32)."""
+    size = dict(_SIZE, **(sizes or {}))
     config: dict[str, Any] = {}
     fields = _fields(args_class)
     for field, (default, annotation) in fields.items():
-        if field in _SIZE and not (default is None and field in ("q_lora_rank", "n_shared_experts")):
-            config[field] = _SIZE[field]
+        if field in size and not (default is None and field in ("q_lora_rank", "n_shared_experts")):
+            config[field] = size[field]
         elif field in LAYER_FIELDS:
             config[field] = layers or DEPTHS.get(name) or (
                 default if isinstance(default, int) and default > 0 else DEFAULT_LAYERS)
@@ -260,16 +262,16 @@ def _text_args(module, depth: int = 0) -> Optional[tuple[type, str]]:
     return target, (home if home != module.__name__.rsplit(".", 1)[-1] else module.__name__.rsplit(".", 1)[-1])
 
 
-def family_config(name: str, layers: Optional[int] = None) -> dict:
+def family_config(name: str, layers: Optional[int] = None, sizes: Optional[dict] = None) -> dict:
     module = load(name)
-    config = fill(module.ModelArgs, name, layers)
+    config = fill(module.ModelArgs, name, layers, sizes)
     if "text_config" in config or "text_config" in _fields(module.ModelArgs):
         text = _text_args(module)
         if text is None:
             raise ValueError(f"{name}: a text_config wrapper whose text model's arguments were not found")
         else:
             args_class, text_name = text
-            config["text_config"] = fill(args_class, text_name, layers or DEPTHS.get(name))
+            config["text_config"] = fill(args_class, text_name, layers or DEPTHS.get(name), sizes)
             if not config["text_config"]:
                 raise ValueError(f"{name}: the text model's arguments were not found")
             if "vocab_size" in _fields(module.ModelArgs):
@@ -285,13 +287,13 @@ def is_moe(name: str) -> bool:
     return any(hint in source.lower() for hint in MOE_HINTS)
 
 
-def build(name: str, layers: Optional[int] = None, seed: int = 0):
+def build(name: str, layers: Optional[int] = None, seed: int = 0, sizes: Optional[dict] = None):
     """(model, config): ``mlx_lm.models.<name>.Model`` built tiny with random weights."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
     module = load(name)
-    config = family_config(name, layers)
+    config = family_config(name, layers, sizes)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     params = [(key, mx.random.normal(p.shape) * p.shape[-1] ** -0.5

@@ -303,7 +303,9 @@ def _child(config: dict) -> dict:
 
     name = config["family"]
     try:
-        model, _ = families.build(name, config.get("layers"))
+        # A quantized KV cache quantizes rows in groups of 32 at least: heads of 32 then.
+        sizes = {"head_dim": 32} if "quantized" in config["paths"] else None
+        model, _ = families.build(name, config.get("layers"), sizes=sizes)
     except BaseException as exc:  # SystemExit of a module too: the row says so
         return _failed(name, "build_error", f"{type(exc).__name__}: {str(exc)[:400]}")
     layers = len(getattr(model, "layers", None) or []) or None
@@ -377,7 +379,7 @@ def _steps(model, path: str, prompts: list[list[int]], steps: int):
     from mlx_lm.generate import BatchGenerator, generate_step
 
     if path in ("plain", "quantized"):
-        extra = {"kv_bits": 8, "quantized_kv_start": 0} if path == "quantized" else {}
+        extra = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0} if path == "quantized" else {}
         for token, _ in generate_step(mx.array(prompts[0]), model, max_tokens=steps, **extra):
             yield [(0, int(token))]
         return
