@@ -162,6 +162,11 @@ class Attribution:
             if probe.attach():
                 self._probes.append(probe)
 
+    @property
+    def probing(self) -> bool:
+        """A probe is attached (a source line may be found within a step)."""
+        return bool(self._probes)
+
     def finish(self) -> None:
         """End every probe still attached (the step it was for is over)."""
         for probe in list(self._probes):

@@ -541,7 +541,9 @@ class Watchdog:
                 self.record_stop("forecast")
                 logger.error("mlx-watchdog: stopping the generation: %s", forecast.describe())
                 raise ResourceLimitForecast(forecast)
-        if self.warn_within is not None and stl <= self.warn_within and self._warnings.due():
+        # While a probe looks for a leak's source line (a step or two), the warning waits for it.
+        if self.warn_within is not None and stl <= self.warn_within and not self._attribution.probing \
+                and self._warnings.due():
             logger.warning("mlx-watchdog: resource limit forecast: %s (%s)", forecast.describe(),
                            remedy(self.fix, self._fixer.fixed_once))
 
