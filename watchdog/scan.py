@@ -82,7 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="families scanned at once, one process each (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                         help="seconds per family before it is stopped (default: %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--json", action="store_true", help="print one JSON document (on stdout)")
+    parser.add_argument("--quiet", action="store_true", help="no progress display (on stderr)")
+    parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown to FILE")
     parser.add_argument("--fail-on-leak", action="store_true", help="exit 1 when any path leaks")
     parser.add_argument("--fail-on-error", action="store_true",
                         help="exit 1 when any family fails to build or to decode")
@@ -108,12 +110,16 @@ def run(args: argparse.Namespace) -> int:
     options = options_from(args)
     names = list(dict.fromkeys(args.families)) or families.families()
     started = time.perf_counter()
-    results = scan(names, options, jobs=args.jobs, timeout=args.timeout, progress=not args.json)
+    results = scan(names, options, jobs=args.jobs, timeout=args.timeout, progress=not args.quiet)
     report = build_report(results, options, time.perf_counter() - started)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         render(report)
+    if args.markdown:
+        command = " ".join(["mlx-watchdog", "scan", *sys.argv[2:]]) if sys.argv[1:2] == ["scan"] else None
+        with open(args.markdown, "w") as out:
+            out.write(markdown(report, command))
     summary = report["summary"]
     if args.fail_on_leak and summary["leaking"]:
         return EXIT_LEAK
@@ -221,6 +227,7 @@ def build_report(results: list[dict], options: dict, seconds: float) -> dict:
                      "mlx_watchdog": __version__},
         "options": options,
         "seconds": round(seconds, 1),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "summary": {"families": len(results), "built": len(ok), "leaking": leaking, "failed": failed,
                     "path_errors": path_errors},
         "families": results,
@@ -285,9 +292,18 @@ def render(report: dict, file=None) -> None:
                   f"leaking: {', '.join(s['leaking']) or 'none'}")
 
 
-def markdown(report: dict) -> str:
-    """The report as a markdown table (benchmarks/results/scan.md)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def markdown(report: dict, command: Optional[str] = None) -> str:
+    """The report as markdown: what ran, the table, what could not be scanned."""
+    s, v = report["summary"], report["versions"]
+    lines = ["# mlx-watchdog scan", ""]
+    if command:
+        lines += [f"Command: `{command}`", ""]
+    lines += [f"Date: {report.get('date', '?')}; mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, mlx-watchdog "
+              f"{v['mlx_watchdog']}; {report['options']['steps']} decode steps per path; "
+              f"{report['seconds']:.0f} s in all.", "",
+              f"{s['built']} of {s['families']} families built and decoded; leaking: "
+              f"{', '.join(s['leaking']) or 'none'}.", ""]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows(report)]
     failed = [r for r in report["families"] if r["status"] != "ok"]
     if failed:
