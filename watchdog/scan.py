@@ -154,7 +154,10 @@ class _Job:
         if not lines:
             why = tail.splitlines()[-1] if tail else "no output"
             return _failed(self.name, "crashed", f"exit status {self.process.returncode}: {why}", seconds)
-        result = json.loads(lines[-1])
+        try:
+            result = json.loads(lines[-1])
+        except ValueError:
+            return _failed(self.name, "crashed", f"unreadable result: {lines[-1][:200]}", seconds)
         result["seconds"] = seconds
         return result
 
@@ -177,25 +180,36 @@ def scan(names: Sequence[str], options: dict, *, jobs: int = 1, timeout: float =
                        TextColumn("{task.description}"), console=console, disable=not progress, transient=False)
     with display:
         task = display.add_task("", total=len(queue))
-        while queue or running:
-            while queue and len(running) < jobs:
-                running.append(_Job(queue.pop(0), options))
-            time.sleep(0.05)
-            for job in list(running):
-                over = time.perf_counter() - job.started > timeout
-                if job.process.poll() is None and not over:
-                    continue
-                if job.process.poll() is None:
-                    job.process.kill()
+        try:
+            _drive(queue, running, results, options, jobs, timeout, display, task, progress)
+        finally:  # interrupted: no child outlives the scan
+            for job in running:
+                job.process.kill()
                 job.process.wait()
-                result = results[job.name] = job.result(over and job.process.returncode != 0)
-                running.remove(job)
-                display.advance(task)
-                if progress:
-                    display.console.print(_progress_line(result), markup=False, highlight=False)
-            display.update(task, description=" ".join(f"{j.name} {time.perf_counter() - j.started:.0f}s"
-                                                      for j in running))
     return [results[name] for name in names]
+
+
+def _drive(queue: list, running: list, results: dict, options: dict, jobs: int, timeout: float,
+           display, task, progress: bool) -> None:
+    """Start children while fewer than ``jobs`` run; collect each as it ends or runs out of time."""
+    while queue or running:
+        while queue and len(running) < jobs:
+            running.append(_Job(queue.pop(0), options))
+        time.sleep(0.05)
+        for job in list(running):
+            over = time.perf_counter() - job.started > timeout
+            if job.process.poll() is None and not over:
+                continue
+            if job.process.poll() is None:
+                job.process.kill()
+            job.process.wait()
+            result = results[job.name] = job.result(over and job.process.returncode != 0)
+            running.remove(job)
+            display.advance(task)
+            if progress:
+                display.console.print(_progress_line(result), markup=False, highlight=False)
+        display.update(task, description=" ".join(f"{j.name} {time.perf_counter() - j.started:.0f}s"
+                                                  for j in running))
 
 
 def _progress_line(result: dict) -> str:
