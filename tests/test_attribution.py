@@ -176,3 +176,16 @@ def test_leaks_keep_their_fields_and_gain_a_source():
                  seconds_to_limit=1.0, leaks=(new,))
     assert "[mlx_lm/models/cache.py:685 ArraysCache.advance]" in f.describe()
     assert attribution.short_path(mlx_cache.__file__) == "mlx_lm/models/cache.py"
+
+
+def test_diagnose_reports_the_source_line(tmp_path, capsys):
+    import json
+
+    from mlx_watchdog import cli, tiny
+
+    model_dir = tiny.save_model_dir(tmp_path / "hybrid", "qwen3_next", layers=8)
+    assert cli.main(["diagnose", "--model", str(model_dir), "--steps", "40", "--batch", "--json"]) == 1
+    leak = json.loads(capsys.readouterr().out)["runs"][0]["leaks"][0]
+    assert leak["site"] == "ArraysCache.left_padding" and ADVANCE.match(leak["source"]), leak
+    assert cli.main(["diagnose", "--model", str(model_dir), "--steps", "40", "--batch"]) == 1
+    assert f"ArraysCache.left_padding is rebound at {leak['source']}" in capsys.readouterr().out
