@@ -27,7 +27,7 @@ Exit status: 0 done, 1 a leak was found (``--fail-on-leak``) or a family failed 
 2 usage errors.
 
 JSON (``--json``): one document on stdout, ``schema`` "mlx-watchdog.scan/1", with ``versions``,
-``options``, ``seconds``, ``summary`` and ``families``: per family ``family``, ``status`` ("ok",
+``options``, ``seconds`` (wall), ``cpu_seconds`` (of the family processes), ``date``, ``summary`` and ``families``: per family ``family``, ``status`` ("ok",
 "build_error", "error", "timeout", "crashed"), ``error``, ``layers``, ``seconds`` and ``runs``:
 per path ``path``, ``steps``, ``sequences``, ``leak``, ``buffers_per_step``, ``leaks`` (``site``,
 ``buffers_per_step``, ``buffers``, ``paths``, ``source``), ``limit_step`` (null: never),
@@ -109,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
 
     options = options_from(args)
     names = list(dict.fromkeys(args.families)) or families.families()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _children_cpu()
     results = scan(names, options, jobs=args.jobs, timeout=args.timeout, progress=not args.quiet)
-    report = build_report(results, options, time.perf_counter() - started)
+    report = build_report(results, options, time.perf_counter() - started, _children_cpu() - cpu)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -224,7 +224,18 @@ def _progress_line(result: dict) -> str:
 
 # --------------------------------------------------------------------------- the report
 
-def build_report(results: list[dict], options: dict, seconds: float) -> dict:
+def _children_cpu() -> float:
+    """CPU seconds of the child processes ended so far (what a scan costs on an idle machine)."""
+    try:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+    except Exception:  # no resource module (Windows)
+        return 0.0
+
+
+def build_report(results: list[dict], options: dict, seconds: float, cpu_seconds: float = 0.0) -> dict:
     import importlib.metadata
 
     import mlx.core as mx
@@ -241,6 +252,7 @@ def build_report(results: list[dict], options: dict, seconds: float) -> dict:
                      "mlx_watchdog": __version__},
         "options": options,
         "seconds": round(seconds, 1),
+        "cpu_seconds": round(cpu_seconds, 1),  # of the children: over N idle cores it takes about this / N
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "summary": {"families": len(results), "built": len(ok), "leaking": leaking, "failed": failed,
                     "path_errors": path_errors},
@@ -314,7 +326,8 @@ def markdown(report: dict, command: Optional[str] = None) -> str:
         lines += [f"Command: `{command}`", ""]
     lines += [f"Date: {report.get('date', '?')}; mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, mlx-watchdog "
               f"{v['mlx_watchdog']}; {report['options']['steps']} decode steps per path; "
-              f"{report['seconds']:.0f} s in all.", "",
+              f"{report['seconds']:.0f} s in all, {report.get('cpu_seconds', 0):.0f} CPU seconds of the "
+              f"family processes.", "",
               f"{s['built']} of {s['families']} families built and decoded; leaking: "
               f"{', '.join(s['leaking']) or 'none'}.", ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
