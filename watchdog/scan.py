@@ -27,11 +27,12 @@ Exit status: 0 done, 1 a leak was found (``--fail-on-leak``) or a family failed 
 2 usage errors.
 
 JSON (``--json``): one document on stdout, ``schema`` "mlx-watchdog.scan/1", with ``versions``,
-``options``, ``seconds`` (wall), ``cpu_seconds`` (of the family processes), ``date``, ``summary`` and ``families``: per family ``family``, ``status`` ("ok",
-"build_error", "error", "timeout", "crashed"), ``error``, ``layers``, ``seconds`` and ``runs``:
-per path ``path``, ``steps``, ``sequences``, ``leak``, ``buffers_per_step``, ``leaks`` (``site``,
-``buffers_per_step``, ``buffers``, ``paths``, ``source``), ``limit_step`` (null: never),
-``error`` (the path could not run) and ``fix`` (null where nothing leaked: ``buffers_per_step``,
+``options``, ``seconds`` (wall), ``cpu_seconds`` (of the family processes), ``date``, ``summary``
+and ``families``: per family ``family``, ``status`` ("ok", "build_error", "error", "timeout",
+"crashed"), ``error``, ``layers``, ``seconds`` and ``runs``: per path ``path``, ``steps``,
+``sequences``, ``leak``, ``buffers_per_step``, ``leaks`` (``site``, ``buffers_per_step``,
+``buffers``, ``paths``, ``source``), ``resident_buffers``, ``limit_step`` (null: never), ``error``
+(the path could not run) and ``fix`` (null where nothing leaked: ``buffers_per_step``,
 ``tokens_identical``, ``cures``).
 """
 
