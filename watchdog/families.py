@@ -146,15 +146,6 @@ PATTERNS = {
                        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8, "rope_theta": 10000.0}},
 }
 
-MOE_HINTS = ("expert", "moe", "switch")  # source text of a mixture of experts
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    name: str  # module name in mlx_lm.models
-    module: Any
-
-
 def families() -> list[str]:
     """The model families of the installed mlx-lm (modules with a Model and a ModelArgs class),
     sorted; found by the source text, so a module that fails to import is still listed."""
@@ -263,43 +254,31 @@ def _text_args(module, depth: int = 0) -> Optional[tuple[type, str]]:
 
 
 def family_config(name: str, layers: Optional[int] = None, sizes: Optional[dict] = None) -> dict:
+    """The config dict ``build`` gives ``ModelArgs.from_dict`` (a wrapper's with its text_config)."""
     module = load(name)
     config = fill(module.ModelArgs, name, layers, sizes)
-    if "text_config" in config or "text_config" in _fields(module.ModelArgs):
+    if "text_config" in _fields(module.ModelArgs):
         text = _text_args(module)
-        if text is None:
+        if text is None:  # its defaults would build the full-size model
             raise ValueError(f"{name}: a text_config wrapper whose text model's arguments were not found")
-        else:
-            args_class, text_name = text
-            config["text_config"] = fill(args_class, text_name, layers or DEPTHS.get(name), sizes)
-            if not config["text_config"]:
-                raise ValueError(f"{name}: the text model's arguments were not found")
-            if "vocab_size" in _fields(module.ModelArgs):
-                config["vocab_size"] = config["text_config"].get("vocab_size", 512)
+        args_class, text_name = text
+        config["text_config"] = fill(args_class, text_name, layers or DEPTHS.get(name), sizes)
+        if "vocab_size" in config:
+            config["vocab_size"] = config["text_config"].get("vocab_size", 512)
     return config
-
-
-def is_moe(name: str) -> bool:
-    try:
-        source = inspect.getsource(load(name))
-    except Exception:
-        return True
-    return any(hint in source.lower() for hint in MOE_HINTS)
 
 
 def build(name: str, layers: Optional[int] = None, seed: int = 0, sizes: Optional[dict] = None):
     """(model, config): ``mlx_lm.models.<name>.Model`` built tiny with random weights."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
+
+    from .tiny import randomize
 
     module = load(name)
     config = family_config(name, layers, sizes)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
-    params = [(key, mx.random.normal(p.shape) * p.shape[-1] ** -0.5
-               if p.ndim >= 2 and mx.issubdtype(p.dtype, mx.floating) else p)
-              for key, p in tree_flatten(model.parameters())]
-    model.update(tree_unflatten(params))
+    randomize(model)
     mx.eval(model.parameters())
     model.eval()
     return model, config
