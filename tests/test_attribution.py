@@ -17,12 +17,11 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import ArraysCache
 
-import exact_buffers
 from mlx_watchdog import Watchdog, attribution
 from mlx_watchdog.attach import unwatch_model, watch_model
 from mlx_watchdog.forecast import Forecast, Leak
 from mlx_watchdog.tiny import build_model, tiny_prompts
-from support import missing
+from support import exact_counter
 
 ADVANCE = re.compile(r"^mlx_lm/models/cache\.py:(\d+) ArraysCache\.advance$")
 
@@ -50,10 +49,7 @@ def _batched(model, watchdog, steps, on_step=None):
 
 @pytest.fixture(scope="module")
 def counter():
-    try:
-        return exact_buffers.install()
-    except RuntimeError as exc:
-        missing(f"the exact live-buffer counter cannot be installed: {exc}")
+    return exact_counter()
 
 
 def test_the_batched_leak_is_traced_to_arrays_cache_advance(counter):
