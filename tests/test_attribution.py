@@ -144,6 +144,17 @@ def test_the_probe_sees_one_step_and_restores_the_class(cls):
     assert dict(vars(cls)) == before
 
 
+def test_two_probes_never_stack_on_one_class():
+    before = dict(vars(Slotted))
+    first, second = attribution.SetattrProbe(Slotted, "x"), attribution.SetattrProbe(Slotted, "y")
+    assert first.attach() and not second.attach() and second.busy
+    first.detach()
+    assert dict(vars(Slotted)) == before
+    assert second.attach()
+    second.detach()
+    assert dict(vars(Slotted)) == before
+
+
 def test_a_builtin_type_gets_no_probe():
     probe = attribution.SetattrProbe(mx.array, "x")
     assert not probe.attach() and probe.error

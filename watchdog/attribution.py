@@ -28,6 +28,10 @@ from .introspect import MAX_SITE_LEN, resolve
 
 MAX_RECORDS = 256  # assignments noted before a probe ends itself (a step of a very deep model)
 _MISSING = object()
+# One probe per class at a time, whichever watchdog asks: two stacked hooks could not both be
+# taken off exactly.
+_active: dict[type, "SetattrProbe"] = {}
+_active_lock = threading.Lock()
 
 
 def describe_frame(frame) -> str:
@@ -71,6 +75,7 @@ class SetattrProbe:
         self._hook = None
         self._saved: Any = _MISSING
         self.error: Optional[str] = None
+        self.busy = False  # not attached: another probe was on the class
 
     @property
     def attached(self) -> bool:
@@ -87,12 +92,17 @@ class SetattrProbe:
             if name == attr and probe._hook is not None and type(obj) is cls and _pending(value):
                 probe._note(obj, sys._getframe(1))
 
-        try:
-            type.__setattr__(cls, "__setattr__", __setattr__)
-        except (TypeError, AttributeError) as exc:  # a built-in or extension type: no probe
-            self.error = f"{type(exc).__name__}: {exc}"
-            return False
-        self._saved, self._hook = saved, __setattr__
+        with _active_lock:
+            if cls in _active:  # another watchdog probes it now: try again later
+                self.busy = True
+                return False
+            try:
+                type.__setattr__(cls, "__setattr__", __setattr__)
+            except (TypeError, AttributeError) as exc:  # a built-in or extension type: no probe
+                self.error = f"{type(exc).__name__}: {exc}"
+                return False
+            self._saved, self._hook = saved, __setattr__
+            _active[cls] = self
         return True
 
     def _note(self, obj: Any, frame) -> None:
@@ -122,6 +132,9 @@ class SetattrProbe:
                 else:
                     type.__setattr__(cls, "__setattr__", self._saved)
             self._saved = _MISSING
+            with _active_lock:
+                if _active.get(cls) is self:
+                    del _active[cls]
             self._seen.clear()
         done = self.on_done() if isinstance(self.on_done, weakref.WeakMethod) else self.on_done
         if done is not None:
@@ -161,6 +174,8 @@ class Attribution:
             probe = SetattrProbe(*target, on_done=weakref.WeakMethod(self._done))
             if probe.attach():
                 self._probes.append(probe)
+            elif probe.busy:
+                self._tried.discard(leak.site)  # at the next reading
 
     @property
     def probing(self) -> bool:
