@@ -164,6 +164,12 @@ class Attribution:
         """After a walk: end the probes of the step before, start one for each leaking site not
         tried yet. ``found``: the walk's arrays; ``roots``: the objects their ``root`` indexes."""
         self.finish()
+        try:
+            self._start(leaks, found, roots)
+        except Exception:  # an odd object graph: no source line, never a broken reading
+            pass
+
+    def _start(self, leaks: Sequence, found: Sequence, roots: Sequence[Any]) -> None:
         for leak in leaks:
             if leak.site in self._tried:
                 continue
