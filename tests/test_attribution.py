@@ -6,6 +6,7 @@ leak), and mlx-lm's own source text at the line the probe names."""
 
 from __future__ import annotations
 
+import gc
 import linecache
 import logging
 import re
@@ -50,6 +51,14 @@ def _batched(model, watchdog, steps, on_step=None):
 @pytest.fixture(scope="module")
 def counter():
     return exact_counter()
+
+
+@pytest.fixture(autouse=True)
+def _collect():
+    # Models and watchdogs die in reference cycles: their buffers go now, not in a later test's
+    # count (the exact counter is process-wide once installed).
+    yield
+    gc.collect()
 
 
 def test_the_batched_leak_is_traced_to_arrays_cache_advance(counter):
@@ -168,8 +177,6 @@ def test_a_dead_attribution_gives_the_class_back():
     assert probe.attach()
     att._probes.append(probe)
     del att, probe
-    import gc
-
     gc.collect()
     assert dict(vars(WithProperty)) == before
 
