@@ -92,6 +92,17 @@ def missing(message: str) -> None:
     pytest.skip(f"*** {message} ***")
 
 
+def exact_counter():
+    """The exact live-buffer counter (tests/exact_buffers.py); skips loudly (fails in CI) when it
+    cannot be installed."""
+    import exact_buffers
+
+    try:
+        return exact_buffers.install()
+    except RuntimeError as exc:
+        missing(f"the exact live-buffer counter cannot be installed: {exc}")
+
+
 def require_binary(*names: str) -> str:
     """The path of the first of ``names`` found; skips loudly (fails in CI) when none is."""
     if not names:

@@ -3,6 +3,7 @@
     mlx-watchdog demo                      # a tiny hybrid model leaking live, then fixed
     mlx-watchdog diagnose --model PATH     # leak report for a real model (exit 1 on a leak)
     mlx-watchdog diagnose --to-the-limit --limit 20000
+    mlx-watchdog scan [FAMILY ...]         # every mlx-lm architecture, built tiny, leaks named
     mlx-watchdog serve --fix -- --model PATH   # mlx_lm.server, watched (see serve.py)
 
 Exit status: 0 fine, 1 a leak was found (diagnose) or the fix did not hold (demo), 2 usage or
@@ -80,6 +81,11 @@ def build_parser(load_serve: bool = True) -> argparse.ArgumentParser:
     diagnose.add_arguments(commands.add_parser(
         "diagnose", help="measure a model's leak, forecast the crash, check the fix",
         description=diagnose.DESCRIPTION))
+    from . import scan  # `scan` (issue 18): every mlx-lm family, built tiny, decoded watched
+
+    scan.add_arguments(commands.add_parser(
+        "scan", help="build every mlx-lm architecture tiny, decode it watched, name its leaks",
+        description=scan.DESCRIPTION))
 
     serve_parser = commands.add_parser(
         "serve", help="run mlx_lm.server with every model watched (server options after `--`)",
@@ -137,6 +143,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from . import diagnose
 
             return diagnose.run(args)
+        if args.command == "scan":
+            from . import scan
+
+            return scan.run(args)
         return _run_serve(args, server_argv)
     except UsageError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)

@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten
 
 from . import forecast as fc
 from .actions import ResourceLimitForecast, Warnings, remedy
+from .attribution import Attribution
 from .fix import Fixer, evaluated_output, resolvable, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth
 from .introspect import MAX_DEPTH, MAX_OBJECTS, scan_all
@@ -174,6 +175,7 @@ class Watchdog:
         self._warnings = Warnings()
         self._warned: set[str] = set()
         self._last = _LastReading()  # between readings the forecast extrapolates from it
+        self._attribution = Attribution()  # the source line of each leak site, probed once
         self._gone: tuple = (None, -1, 0.0, 1.0)  # (reading, scope version, its dead caches' buffers, share alive)
         self._empty_walks = 0
         self._reset_series()
@@ -259,6 +261,7 @@ class Watchdog:
         self._ended = True
         start = time.perf_counter()
         try:
+            self._attribution.finish()  # a probe still attached gives its class back now
             # Only on the thread that stepped (a generator closed by the garbage collector may end
             # anywhere): MLX's graph is not read beside a thread that may be changing it.
             if self.walks and self._schedule.affordable() and threading.get_ident() == self._stepping_thread:
@@ -290,7 +293,7 @@ class Watchdog:
                 buffers_per_step=max(0.0, rate),
                 steps_to_limit=stl,
                 seconds_to_limit=fc.seconds_from_steps(stl, step_rate),
-                leaks=growth.leaks,
+                leaks=self._attribution.annotate(growth.leaks),
                 step_rate=step_rate,
                 source=EXACT_COUNTER_NAME or "estimate",
                 parameter_buffers=self._parameter_buffers,
@@ -477,6 +480,8 @@ class Watchdog:
                                       int(round(reading.pending_nodes)), reading.sampled,
                                       tuple(tuple(entry) for entry in held.values() if entry[0] is not None))
             self.walks += 1
+        # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
+        self._attribution.consider(self._growth.leaks, found, [roots] + others)
         cost = time.perf_counter() - t0
         self._schedule.walked(step, cost)
         if self.on_forecast is not None:
@@ -547,7 +552,9 @@ class Watchdog:
                 self.record_stop("forecast")
                 logger.error("mlx-watchdog: stopping the generation: %s", forecast.describe())
                 raise ResourceLimitForecast(forecast)
-        if self.warn_within is not None and stl <= self.warn_within and self._warnings.due():
+        # While a probe looks for a leak's source line (a step or two), the warning waits for it.
+        if self.warn_within is not None and stl <= self.warn_within and not self._attribution.probing \
+                and self._warnings.due():
             logger.warning("mlx-watchdog: resource limit forecast: %s (%s)", forecast.describe(),
                            remedy(self.fix, self._fixer.fixed_once))
 

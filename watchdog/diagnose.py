@@ -69,6 +69,8 @@ the value may be null (JSON has no infinity: "never" is null).
     buffers           int          buffers held at the site at the last measurement
     paths             [str]        where, from the cache list, e.g. "[0].left_padding"
     cut_by_fix        bool         the fix cuts this site (fix mode): buffers_per_step is what it would add
+    source            str|null     the line that rebinds the site's attribute, e.g.
+                                   "mlx_lm/models/cache.py:685 ArraysCache.advance" (null: not found)
 
   fix:
     buffers_per_step  float        growth with the fix
@@ -407,7 +409,8 @@ def _finite(x: float) -> Optional[float]:
 
 def _leaks(forecast) -> list[dict]:
     return [{"site": leak.site, "buffers_per_step": round(leak.buffers_per_step, 4),
-             "buffers": int(leak.buffers), "paths": list(leak.paths), "cut_by_fix": leak.cut}
+             "buffers": int(leak.buffers), "paths": list(leak.paths), "cut_by_fix": leak.cut,
+             "source": leak.source}
             for leak in forecast.leaks]
 
 
@@ -540,6 +543,9 @@ def render_report(report: dict, console) -> None:
                      f"{', '.join(top['paths'][:3]) or 'no path'})") if top else "no single site"
             console.print(f"LEAK on the {r['path']} path: +{r['buffers_per_step']:.3g} buffers/step, "
                           f"site {where}.")
+            for l in r["leaks"]:
+                if l.get("source"):
+                    console.print(f"  {l['site']} is rebound at {l['source']}")
             console.print(f"  at the limit of {report['limit']:,} buffers a generation like this "
                           f"one crashes after {_count(r['limit_step'])} tokens per sequence "
                           f"({_count(r['steps_to_limit'])} steps / {_duration(r['seconds_to_limit'])} "

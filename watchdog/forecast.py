@@ -22,6 +22,9 @@ class Leak:
     # the fix (what the probes saw), not what stays resident. A site that also grows in number
     # of arrays has a second, uncut, entry for that part.
     cut: bool = False
+    # Where the program rebinds the attribute, found once by a short probe (attribution.py):
+    # "mlx_lm/models/cache.py:685 ArraysCache.advance"; None until found (or not findable).
+    source: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +64,7 @@ class Forecast:
 
     def describe(self) -> str:
         top = ", ".join(f"{l.site} +{l.buffers_per_step:.3g}/step" + (" (cut by the fix)" if l.cut else "")
-                        for l in self.leaks[:3]) or "none"
+                        + (f" [{l.source}]" if l.source else "") for l in self.leaks[:3]) or "none"
         if not self.rate_known:
             return (f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, "
                     "growth not measured yet")

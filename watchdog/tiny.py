@@ -163,16 +163,23 @@ def build_model(
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
-    params = [
-        (name, mx.random.normal(p.shape) * p.shape[-1] ** -0.5 if p.ndim >= 2 else p)
-        for name, p in tree_flatten(model.parameters())
-    ]
-    model.update(tree_unflatten(params))
+    randomize(model)
     if dtype != mx.float32:
         _cast(model, dtype)
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def randomize(model: nn.Module) -> None:
+    """Draw every floating matrix from N(0, 1/d), d its last dimension (from MLX's global
+    generator); vectors (norms, biases, gates) keep the values the model sets."""
+    params = [
+        (name, mx.random.normal(p.shape) * p.shape[-1] ** -0.5
+         if p.ndim >= 2 and mx.issubdtype(p.dtype, mx.floating) else p)
+        for name, p in tree_flatten(model.parameters())
+    ]
+    model.update(tree_unflatten(params))
 
 
 def _cast(model: nn.Module, dtype) -> None:
