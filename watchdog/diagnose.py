@@ -417,7 +417,7 @@ def decode_pass(model, path: str, prompts: list[list[int]], steps: int, watchdog
         raise ValueError(f"path must be 'plain' or 'batched', got {path!r}")
     tokens: list[list[int]] = [[] for _ in prompts]
     readings: list[list[int]] = []
-    last_reading = None
+    before_end = None  # the forecast one step before the last (see below)
     stopped = None
     offset = walks = 0
     watch_model(model, watchdog)
@@ -437,7 +437,8 @@ def decode_pass(model, path: str, prompts: list[list[int]], steps: int, watchdog
                 # is the teardown, not the decode's level.
                 if forecast.decoding and decode_step < steps:
                     readings.append([decode_step, int(forecast.resident_buffers)])
-                    last_reading = forecast
+            if step == steps - 1:
+                before_end = watchdog.forecast()
             if on_step is not None and on_step(step, watchdog, time.perf_counter() - start):
                 break
     except ResourceLimitForecast as exc:
@@ -446,9 +447,11 @@ def decode_pass(model, path: str, prompts: list[list[int]], steps: int, watchdog
         stepper.close()
         seconds = time.perf_counter() - start
         unwatch_model(model)
-    final = watchdog.forecast()
-    if last_reading is not None and final.measured_step - offset >= steps:
-        final = last_reading  # the forecast of the decode, not of its teardown
+    # BatchGenerator drops a batch's caches as it yields its last tokens, and the forecast drops
+    # their buffers with them: a pass that ran to the end reports the forecast of its last
+    # step but one, the decode's, not its teardown's.
+    ran_out = stopped is None and max((len(t) for t in tokens), default=0) >= steps
+    final = before_end if ran_out and before_end is not None else watchdog.forecast()
     return PassResult(path, prompts, tokens, seconds, watchdog, final, stopped, offset, readings)
 
 

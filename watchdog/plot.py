@@ -101,7 +101,7 @@ def _measured(ax, run: dict, limit: float) -> None:
                  fontsize=10)
     ax.set_xlabel("decode step")
     ax.set_ylabel("resident buffers")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3)
 
 
