@@ -309,7 +309,7 @@ def test_main_reports_a_busy_metrics_port(capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert serve.main(["--metrics-port", str(port), "--", "--model", "unused"]) == 1
+        assert serve.main(["--metrics-port", str(port), "--", "--model", "unused"]) == 2
     err = capsys.readouterr().err
     assert str(port) in err and "--no-metrics" in err
 
