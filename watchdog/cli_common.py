@@ -177,32 +177,3 @@ def print_json(document: dict) -> None:
     """The one JSON document a command prints (``--json``)."""
     sys.stdout.write(json.dumps(document, indent=2) + "\n")
     sys.stdout.flush()
-
-
-def step_progress(console, total: int, description: str):
-    """A rich progress bar of decode steps on ``console`` (stderr), or None when it is not a
-    terminal. Use as ``with bar: ... bar.advance()``; ``None`` means no display."""
-    if not console.is_terminal:
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return _StepBar(Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                             TimeElapsedColumn(), console=console, transient=False), total, description)
-
-
-class _StepBar:
-    def __init__(self, progress, total: int, description: str):
-        self.progress = progress
-        self.task = progress.add_task(description, total=total)
-
-    def __enter__(self):
-        self.progress.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.progress.stop()
-        return False
-
-    def update(self, completed: int, description: Optional[str] = None) -> None:
-        kwargs = {"description": description} if description is not None else {}
-        self.progress.update(self.task, completed=completed, **kwargs)

@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import logging
 import math
-import sys
 import time
 from typing import Any, Optional
 

@@ -482,7 +482,7 @@ def diagnose_model(model, prompts: list[list[int]], *, paths: Sequence[str], ste
     from .limits import device_name, device_resource_limit
 
     if steps <= 0:
-        raise UsageError(f"--steps must be a positive integer, got {steps}")
+        raise UsageError(f"--max-tokens must be a positive integer, got {steps}")
     runs = []
     for path in paths:
         path_prompts = batch_prompts(prompts, batch_size) if path == "batched" else prompts[:1]
