@@ -590,3 +590,17 @@ def test_serve_fails_fast_on_a_missing_model_and_a_busy_port(model_dirs, tmp_pat
     free = free_port()
     done, _ = _serve("--metrics-port", free, "--", "--model", model_dirs["hybrid4"], "--port", free)
     assert done.returncode == 2 and f"--port {free} is the metrics port" in done.stderr
+
+
+def test_to_the_limit_shows_progress_on_a_terminal(monkeypatch, model_dirs):
+    """On a terminal the child's run is a progress bar toward the forecast limit step (stderr)."""
+    out = io.StringIO()
+    bar_console = Console(file=out, force_terminal=True, width=120)
+    args = _parse("diagnose", "--to-the-limit", "--model", model_dirs["hybrid4"], "--path", "batched",
+                  "--limit", 700, "--json")
+    report_console = Console(file=io.StringIO(), width=200)
+    monkeypatch.setattr(diagnose, "print_json", lambda document: out.write(json.dumps(document)))
+    assert diagnose.to_the_limit(args, report_console, bar_console) == 0
+    text = out.getvalue()
+    assert "child: resident ~" in text and "steps to the forecast limit" in text
+    assert '"failure": {"kind": "estimate_crossed_limit"' in text

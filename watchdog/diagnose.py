@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     if args.to_the_limit:
         if args.plot:
             raise UsageError("--plot draws the passes of a diagnosis; it does not apply to --to-the-limit")
-        return to_the_limit(args, console)
+        return to_the_limit(args, console, progress_console)
     if not args.model:
         raise UsageError("--model PATH_OR_HF_ID is required (a local folder or a Hugging Face id)")
     if args.plot:
@@ -630,7 +630,7 @@ def render_report(report: dict, console) -> None:
 
 # --------------------------------------------------------------------------- --to-the-limit
 
-def to_the_limit(args: argparse.Namespace, console) -> int:
+def to_the_limit(args: argparse.Namespace, console, progress_console=None) -> int:
     """Run the decode in a child process until it fails; compare with the forecast at 1%."""
     import mlx.core as mx
 
@@ -663,7 +663,19 @@ def to_the_limit(args: argparse.Namespace, console) -> int:
                 else "the real Metal resource-limit error")
         console.print(f"mlx-watchdog diagnose --to-the-limit: {model_label}, {path} path; a child "
                       f"process decodes until {ends} (cap {args.max_steps:,} steps)")
-    outcome = _run_child(config, console, quiet=args.json)
+    bar = None
+    if progress_console is not None and progress_console.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        # The total is the forecast limit step, known once the child has measured a rate.
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("steps to the forecast limit"), TimeElapsedColumn(),
+                       console=progress_console)
+    if bar is not None:
+        with bar:
+            outcome = _run_child(config, console, quiet=True, bar=bar)
+    else:
+        outcome = _run_child(config, console, quiet=args.json)
     report = _limit_report(outcome, config, model_label, path)
     if args.json:
         print_json(report)
@@ -681,7 +693,9 @@ class _ChildOutcome:
     stalled: bool = False
 
 
-def _run_child(config: dict, console, quiet: bool) -> _ChildOutcome:
+def _run_child(config: dict, console, quiet: bool, bar=None) -> _ChildOutcome:
+    """Run the child and collect its records; progress as a rich ``bar`` (on a terminal), or a
+    line every 5 s on ``console`` unless ``quiet``."""
     command = [sys.executable, "-m", "mlx_watchdog.diagnose", "--child", json.dumps(config)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     lines: "queue.Queue[Optional[str]]" = queue.Queue()
@@ -720,6 +734,11 @@ def _run_child(config: dict, console, quiet: bool) -> _ChildOutcome:
                     continue
                 if "s" in message:
                     records.append((message["s"], message["r"], message["ls"]))
+                    if bar is not None:
+                        if not bar.tasks:
+                            bar.add_task("child decoding", total=None)
+                        bar.update(bar.tasks[0].id, completed=message["s"], total=message["ls"],
+                                   description=f"child: resident ~{message['r']:,} buffers")
                     if not quiet and time.monotonic() - last_print > 5.0:
                         last_print = time.monotonic()
                         forecast = _count(message["ls"])
