@@ -126,6 +126,11 @@ def _forecast(ax, run: dict, limit: float) -> None:
     ax.axvspan(0, steps, color="#dddddd", alpha=0.5, label="measured")
     ax.set_xlim(0, end)
     ax.set_ylim(0, limit * 1.08)
+    from matplotlib.ticker import FuncFormatter
+
+    thousands = FuncFormatter(lambda value, _: f"{value:,.0f}")
+    ax.xaxis.set_major_formatter(thousands)
+    ax.yaxis.set_major_formatter(thousands)
     ax.set_title("forecast to the limit" + ("" if crash is not None else ": never reached"),
                  fontsize=10)
     ax.set_xlabel("decode step")
