@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MLX_LM_VERSION = $(shell $(PY) -c "import importlib.metadata as m; print(m.version('mlx-lm'))")
 MLX_LM_SDIST   := .cache/mlx-lm-sdist
 
-.PHONY: demo test system-deps sdist bench clean
+.PHONY: demo test docs docs-image system-deps sdist bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,15 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/mlx-watchdog demo $(ARGS)
+
+# The manual (docs/) as a site in site/. tests/test_docs.py builds it with --strict (every link
+# and anchor checked) and runs every ```python block of README.md and docs/.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build
+
+# The README's picture: the demo's passes drawn by --plot (tiny model, a few seconds).
+docs-image: $(STAMP)
+	$(VENV)/bin/mlx-watchdog demo --max-tokens 200 --no-metrics --plot docs/img/demo.png
 
 # Prometheus, promtool and Alertmanager come from Debian's packages. As root we install them;
 # otherwise the tests that need them skip loudly (never in CI, where CI=true makes them fail).
@@ -48,4 +57,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/leak_overhead.py --steps 20000 --chunk 1000
 
 clean:
-	rm -rf $(VENV) .cache build *.egg-info
+	rm -rf $(VENV) .cache build site *.egg-info

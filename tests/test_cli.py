@@ -87,7 +87,7 @@ class _ScrapingFile(io.StringIO):
 
 def test_demo_leaks_then_fix_keeps_tokens_and_serves_metrics():
     args = cli.build_parser(load_serve=False).parse_args(
-        ["demo", "--steps", "40", "--metrics-port", "0"])
+        ["demo", "--max-tokens", "40", "--metrics-port", "0"])
     out = _ScrapingFile()
     outcome = demo.run_demo(args, Console(file=out, highlight=False, markup=False, soft_wrap=True, width=200))
     text = out.getvalue()
@@ -121,7 +121,7 @@ def test_demo_leaks_then_fix_keeps_tokens_and_serves_metrics():
 
 def test_demo_stops_at_the_scaled_limit_and_compares_what_was_decoded():
     args = cli.build_parser(load_serve=False).parse_args(
-        ["demo", "--steps", "300", "--limit", "600", "--no-metrics"])
+        ["demo", "--max-tokens", "300", "--limit", "600", "--no-metrics"])
     out = io.StringIO()
     outcome = demo.run_demo(args, Console(file=out, markup=False, soft_wrap=True, width=200))
     # (600 - ~273 resident at the start) / 8 per step: stopped after ~40 of the 300 steps.
@@ -139,7 +139,7 @@ def test_demo_stops_at_the_scaled_limit_and_compares_what_was_decoded():
 
 def test_demo_of_a_model_mlx_lm_cannot_batch_names_the_plain_path():
     args = cli.build_parser(load_serve=False).parse_args(
-        ["demo", "--model-type", "deepseek_v41", "--steps", "30", "--no-metrics"])
+        ["demo", "--model-type", "deepseek_v41", "--max-tokens", "30", "--no-metrics"])
     out = io.StringIO()
     demo.run_demo(args, Console(file=out, markup=False, soft_wrap=True, width=200))
     text = out.getvalue()
@@ -153,7 +153,7 @@ def test_demo_console_script_runs_in_a_subprocess():
     script = Path(sys.executable).with_name("mlx-watchdog")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog.cli"]
     start = time.monotonic()
-    done = subprocess.run([*command, "demo", "--steps", "40", "--metrics-port", "0"],
+    done = subprocess.run([*command, "demo", "--max-tokens", "40", "--metrics-port", "0"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     wall = time.monotonic() - start
     assert done.returncode == 0, done.stdout + done.stderr
@@ -161,7 +161,7 @@ def test_demo_console_script_runs_in_a_subprocess():
     assert LEFT_PADDING in done.stdout
     assert "tokens identical (80 compared)" in done.stdout
     assert "VERDICT: the fix removes the leak" in done.stdout
-    assert wall < 60, f"demo --steps 40 took {wall:.1f} s"
+    assert wall < 60, f"demo --max-tokens 40 took {wall:.1f} s"
 
 
 def test_demo_metrics_port_in_use_is_a_clear_error(capsys):
@@ -169,7 +169,7 @@ def test_demo_metrics_port_in_use_is_a_clear_error(capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        status, out, err = run_main(capsys, "demo", "--steps", "5", "--metrics-port", port)
+        status, out, err = run_main(capsys, "demo", "--max-tokens", "5", "--metrics-port", port)
     assert status == 2
     assert f"127.0.0.1:{port}" in err and "--metrics-port" in err
     assert "Traceback" not in err
@@ -180,8 +180,8 @@ def test_demo_bad_options(capsys):
     assert status == 2 and "unknown --model-type 'gpt9'" in err and "qwen3_next" in err
     status, _, err = run_main(capsys, "demo", "--layers", "2", "--no-metrics")
     assert status == 2 and "full_attention_interval" in err
-    status, _, err = run_main(capsys, "demo", "--steps", "0")
-    assert status == 2 and "--steps: must be a positive integer, got '0'" in err
+    status, _, err = run_main(capsys, "demo", "--max-tokens", "0")
+    assert status == 2 and "--max-tokens: must be a positive integer, got '0'" in err
 
 
 # --------------------------------------------------------------------------- diagnose
@@ -243,7 +243,7 @@ def test_docstring_documents_both_json_objects():
 
 
 def test_diagnose_leaky_hybrid_json_schema_and_exit_1(capsys, model_dirs):
-    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "--steps", 60, "--json")
+    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "--max-tokens", 60, "--json")
     report = json.loads(out)
     _check_object(report, "diagnose", _doc_blocks(diagnose.__doc__), "report")
     assert status == report["exit_status"] == 1
@@ -270,18 +270,18 @@ def test_diagnose_leaky_hybrid_json_schema_and_exit_1(capsys, model_dirs):
 
 
 def test_diagnose_leaky_hybrid_report_names_site_and_fix_command(capsys, model_dirs):
-    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "--batch", "--steps", 50)
+    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "--path", "batched", "--max-tokens", 50)
     assert status == 1
     assert f"LEAK on the batched path: +5 buffers/step, site {LEFT_PADDING}" in out
     assert "the fix (Watchdog(fix=True)) removes it" in out and "tokens identical" in out
     assert re.search(r"crashes after [\d,]+ tokens per sequence", out)
     assert "watchdog overhead (self-timed)" in out
     assert f"mlx-watchdog serve --fix -- --model {model_dirs['hybrid']}" in out
-    assert "plain path" not in out  # --batch alone: only the batched path
+    assert "plain path" not in out  # --path batched: only the batched path
 
 
 def test_diagnose_dense_llama_exit_0(capsys, model_dirs):
-    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["llama"], "--steps", 60, "--json")
+    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["llama"], "--max-tokens", 60, "--json")
     report = json.loads(out)
     _check_object(report, "diagnose", _doc_blocks(diagnose.__doc__), "report")
     assert status == report["exit_status"] == 0
@@ -295,13 +295,13 @@ def test_diagnose_errors_are_clear(capsys, model_dirs, tmp_path):
     missing = tmp_path / "no-such-model"
     status, _, err = run_main(capsys, "diagnose", "--model", missing)
     assert status == 2 and f"model path does not exist: {missing}" in err
-    status, _, err = run_main(capsys, "diagnose", "--model", model_dirs["unknown"], "--steps", 5)
+    status, _, err = run_main(capsys, "diagnose", "--model", model_dirs["unknown"], "--max-tokens", 5)
     assert status == 2 and "unknown model type 'gpt9'" in err and str(model_dirs["unknown"]) in err
-    status, _, err = run_main(capsys, "diagnose", "--model", model_dirs["llama"], "--steps", 0)
-    assert status == 2 and "--steps: must be a positive integer, got '0'" in err
-    status, _, err = run_main(capsys, "diagnose", "--steps", 5)
+    status, _, err = run_main(capsys, "diagnose", "--model", model_dirs["llama"], "-m", 0)
+    assert status == 2 and "--max-tokens: must be a positive integer, got '0'" in err
+    status, _, err = run_main(capsys, "diagnose", "--max-tokens", 5)
     assert status == 2 and "--model PATH_OR_HF_ID is required" in err
-    status, _, err = run_main(capsys, "diagnose", "--model", "nobody/no-such-model-here", "--steps", 5)
+    status, _, err = run_main(capsys, "diagnose", "--model", "nobody/no-such-model-here", "--max-tokens", 5)
     assert status == 2 and "cannot load model nobody/no-such-model-here" in err
     (tmp_path / "empty").mkdir()
     status, _, err = run_main(capsys, "diagnose", "--model", tmp_path / "empty")
@@ -315,7 +315,7 @@ def test_diagnose_errors_are_clear(capsys, model_dirs, tmp_path):
 def test_to_the_limit_forecast_at_one_percent_within_one_percent(capsys, model_dirs):
     # hybrid4: 3 linear layers, +2 buffers/step; the estimate crosses 1,100 after ~500 steps.
     status, out, _ = run_main(capsys, "diagnose", "--to-the-limit", "--model", model_dirs["hybrid4"],
-                              "--batch", "--limit", 1100, "--json")
+                              "--path", "batched", "--limit", 1100, "--json")
     report = json.loads(out)
     _check_object(report, "to_the_limit", _doc_blocks(diagnose.__doc__), "report")
     assert status == report["exit_status"] == 0
@@ -337,7 +337,7 @@ def test_to_the_limit_child_crash_does_not_fail_the_parent(capsys, model_dirs):
     # The child dies like an uncaught Metal error kills a process (SIGABRT, no report of its own):
     # the parent takes the failing step from the stream and the error from the child's stderr.
     status, out, err = run_main(capsys, "diagnose", "--to-the-limit", "--model", model_dirs["hybrid4"],
-                                "--batch", "--limit", 1100, "--crash-at-limit")
+                                "--path", "batched", "--limit", 1100, "--crash-at-limit")
     assert status == 0, out + err
     assert re.search(r"child process (was killed by signal \d+|exited with status -?\d+)", out)
     match = re.search(r"real failure at step ([\d,]+): \[metal::malloc\] Resource limit \(1100\) exceeded", out)
@@ -412,3 +412,195 @@ def test_demo_and_diagnose_work_without_serve(monkeypatch, capsys):
     assert status == 0 and "--metrics-port" in out
     status, out, _ = run_main(capsys, "--help")
     assert status == 0 and "diagnose" in out and "serve" in out
+
+
+# --------------------------------------------------------------------------- flags, JSON, plots
+
+def _parse(*argv):
+    return cli.build_parser(load_serve=False).parse_args([str(a) for a in argv])
+
+
+def test_flags_follow_mlx_lm_and_old_spellings_still_work(capsys):
+    args = _parse("demo", "-m", 7, "--batch-size", 3)
+    assert (args.max_tokens, args.batch_size) == (7, 3)
+    assert capsys.readouterr().err == ""
+    args = _parse("demo", "--steps", 9, "--batch", 4)  # the old names: same values, a warning each
+    assert (args.max_tokens, args.batch_size) == (9, 4)
+    err = capsys.readouterr().err
+    assert "--steps is deprecated, use --max-tokens" in err and "--batch is deprecated, use --batch-size" in err
+    args = _parse("diagnose", "--model", "m", "--max-tokens", 5, "-p", "hi", "--path", "plain")
+    assert (args.max_tokens, args.prompt, diagnose.selected_paths(args)) == (5, ["hi"], ["plain"])
+    assert diagnose.selected_paths(_parse("diagnose", "--batch")) == ["batched"]
+    assert diagnose.selected_paths(_parse("diagnose", "--plain")) == ["plain"]
+    assert diagnose.selected_paths(_parse("diagnose")) == ["batched", "plain"]
+    capsys.readouterr()
+    status, out, _ = run_main(capsys, "diagnose", "--help")
+    assert "--max-tokens" in out and "--steps" not in out and "--batch " not in out  # aliases are hidden
+    status, _, err = run_main(capsys, "diagnose", "--path", "sideways")
+    assert status == 2 and "invalid choice: 'sideways'" in err
+    status, _, err = run_main(capsys, "demo", "--plot", "picture.jpg")
+    assert status == 2 and "must be a file name ending in .png or .svg, got 'picture.jpg'" in err
+
+
+def test_serve_without_the_double_dash_gets_a_hint(capsys):
+    status, out, err = run_main(capsys, "serve", "--fix", "--model", "m", "--port", "8080")
+    assert status == 2 and out == ""
+    assert "unrecognized arguments: --model m --port 8080" in err
+    assert "mlx-watchdog serve [watchdog options] -- --model m --port 8080" in err
+
+
+def test_demo_json_is_one_document_and_its_plot_has_the_data(capsys, tmp_path):
+    from mlx_watchdog import plot
+
+    picture = tmp_path / "demo.svg"
+    status, out, err = run_main(capsys, "demo", "-m", 40, "--no-metrics", "--json", "--plot", picture)
+    report = json.loads(out)  # the whole of stdout: one document
+    assert status == report["exit_status"] == 0
+    assert report["schema"] == demo.SCHEMA and report["leak_sites"] == [LEFT_PADDING]
+    assert report["fix_removes_leak"] is True and report["real_limit"] >= report["limit"] == 10_000
+    run = report["runs"][0]
+    assert run["path"] == "batched" and run["buffers_per_step"] == pytest.approx(8.0)
+    assert report["real_limit_step"] == pytest.approx(
+        run["limit_step"] + (report["real_limit"] - report["limit"]) / 8.0, rel=1e-6)
+    assert "VERDICT: the fix removes the leak" in err  # the display went to stderr
+    # An SVG document, with the readings in it: a PNG/SVG by its header, data checked below.
+    root = __import__("xml.etree.ElementTree", fromlist=["parse"]).parse(picture).getroot()
+    assert root.tag.endswith("svg")
+    _check_figure(plot.figure(report), run, report["limit"])
+
+
+def _check_figure(figure, run: dict, limit: float) -> None:
+    """The plotted data: readings, the fitted line's slope, the limit and the crash step."""
+    measured, forecast = figure.axes[:2]
+    lines = {line.get_label(): line for line in measured.get_lines()}
+    watched = next(l for label, l in lines.items() if label.startswith("watched:"))
+    assert LEFT_PADDING in watched.get_label()  # top leak site in the legend
+    assert [list(p) for p in zip(watched.get_xdata(), watched.get_ydata())] == run["readings"]
+    fixed = next(l for label, l in lines.items() if label.startswith("Watchdog(fix=True)"))
+    assert [list(p) for p in zip(fixed.get_xdata(), fixed.get_ydata())] == run["fix"]["readings"]
+    fit = lines[f"fit {run['buffers_per_step']:+.3g} buffers/step"]
+    (x0, x1), (y0, y1) = fit.get_xdata(), fit.get_ydata()
+    assert (y1 - y0) / (x1 - x0) == pytest.approx(run["buffers_per_step"])
+    # The fit runs through the readings: the last one is on the line (within a step's growth).
+    step, resident = run["readings"][-1]
+    assert abs(y0 + (step - x0) * run["buffers_per_step"] - resident) <= run["buffers_per_step"] + 1
+    others = {line.get_label(): line for line in forecast.get_lines()}
+    assert list(others[f"limit {limit:,.0f} buffers"].get_ydata()) == [limit, limit]
+    crash = others[f"forecast crash: step {run['limit_step']:,.0f}"]
+    assert list(crash.get_xdata()) == [run["limit_step"]] * 2
+    growth = others[f"watched: {run['buffers_per_step']:+.3g}/step"]
+    assert growth.get_xdata()[-1] == pytest.approx(run["limit_step"])  # meets the limit at the crash
+    assert growth.get_ydata()[-1] == pytest.approx(limit)
+
+
+def test_diagnose_plot_png_and_table_not_cut_at_80_columns(capsys, model_dirs, tmp_path):
+    from mlx_watchdog import plot
+
+    picture = tmp_path / "leak.png"
+    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "-m", 40, "--plot", picture)
+    assert status == 1 and f"plot: {picture}" in out
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    row = next(line for line in out.splitlines() if line.startswith("│ batched"))
+    assert f"{LEFT_PADDING} +5" in row and "…" not in out and len(row) > 80
+    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "-m", 40, "--json")
+    report = json.loads(out)
+    figure = plot.figure(report)
+    assert len(figure.axes) == 4  # two paths, measured and forecast each
+    _check_figure(figure, report["runs"][0], report["limit"])
+
+
+def test_diagnose_shows_a_progress_bar_per_pass_on_a_terminal(model_dirs):
+    model = tiny.build_model("qwen3_next", layers=4)
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    with diagnose.PassProgress(console) as progress:
+        report = diagnose.diagnose_model(model, tiny.tiny_prompts(1, 8), paths=["batched"], steps=12,
+                                         limit=None, batch_size=2, model_spec="tiny", model_type="qwen3_next",
+                                         progress=progress)
+    text = out.getvalue()
+    assert report["runs"][0]["decode_steps"] == 12
+    assert "batched path, watch only" in text and "batched path, Watchdog(fix=True)" in text
+    assert "12/12" in text
+
+
+def test_plot_without_matplotlib_is_one_line_and_fails_before_decoding(tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from mlx_watchdog import cli\n"
+            f"sys.exit(cli.main(['demo', '--no-metrics', '--plot', {str(tmp_path / 'x.png')!r}]))")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("mlx-watchdog demo: error: --plot needs matplotlib, which is not "
+                                   "installed: pip install 'mlx-watchdog[plot]'")
+    assert "pass 1/2" not in done.stdout and not (tmp_path / "x.png").exists()
+    assert time.monotonic() - start < 30
+
+
+# --------------------------------------------------------------------------- imports
+
+@pytest.mark.parametrize("module", ["cli_common", "demo", "diagnose", "serve", "plot"])
+def test_subcommand_modules_do_not_import_the_entry_point(module):
+    code = f"import sys, mlx_watchdog.{module}; print('mlx_watchdog.cli' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+def test_attachment_points_import_lazily_from_the_package():
+    code = ("import sys, mlx_watchdog\n"
+            "print('mlx_watchdog.attach' in sys.modules)\n"
+            "from mlx_watchdog import watch, watch_model, unwatch_model, watch_step\n"
+            "import mlx_watchdog.attach as attach\n"
+            "print(all(getattr(attach, n) is getattr(mlx_watchdog, n) for n in "
+            "('watch', 'watch_model', 'unwatch_model', 'watch_step')))\n"
+            "print(set(mlx_watchdog.__all__) <= set(dir(mlx_watchdog)))\n"
+            "try:\n    mlx_watchdog.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == ["False", "True", "True",
+                                        "module 'mlx_watchdog' has no attribute 'no_such_name'"], done.stderr
+
+
+# --------------------------------------------------------------------------- serve fails fast
+
+def _serve(*argv, timeout=120):
+    script = Path(sys.executable).with_name("mlx-watchdog")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog.cli"]
+    start = time.monotonic()
+    done = subprocess.run([*command, "serve", *map(str, argv)], capture_output=True, text=True, timeout=timeout)
+    return done, time.monotonic() - start
+
+
+def test_serve_fails_fast_on_a_missing_model_and_a_busy_port(model_dirs, tmp_path):
+    missing = tmp_path / "no-such-model"
+    done, _ = _serve("--no-metrics", "--", "--model", missing)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"mlx-watchdog serve: error: model path does not exist: {missing} (mlx_lm.server's --model)"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # mlx_lm.server alone hangs here with a traceback; serve checks before it starts.
+        done, wall = _serve("--no-metrics", "--", "--model", model_dirs["hybrid4"], "--port", port)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and wall < 60
+        done, _ = _serve("--metrics-port", port, "--", "--model", model_dirs["hybrid4"])
+        assert done.returncode == 2 and f"{port}" in done.stderr and "--no-metrics" in done.stderr
+        assert "Traceback" not in done.stderr
+    free = free_port()
+    done, _ = _serve("--metrics-port", free, "--", "--model", model_dirs["hybrid4"], "--port", free)
+    assert done.returncode == 2 and f"--port {free} is the metrics port" in done.stderr
+
+
+def test_to_the_limit_shows_progress_on_a_terminal(monkeypatch, model_dirs):
+    """On a terminal the child's run is a progress bar toward the forecast limit step (stderr)."""
+    out = io.StringIO()
+    bar_console = Console(file=out, force_terminal=True, width=120)
+    args = _parse("diagnose", "--to-the-limit", "--model", model_dirs["hybrid4"], "--path", "batched",
+                  "--limit", 700, "--json")
+    report_console = Console(file=io.StringIO(), width=200)
+    monkeypatch.setattr(diagnose, "print_json", lambda document: out.write(json.dumps(document)))
+    assert diagnose.to_the_limit(args, report_console, bar_console) == 0
+    text = out.getvalue()
+    assert "child: resident ~" in text and "steps to the forecast limit" in text
+    assert '"failure": {"kind": "estimate_crossed_limit"' in text

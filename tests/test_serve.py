@@ -309,9 +309,28 @@ def test_main_reports_a_busy_metrics_port(capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        assert serve.main(["--metrics-port", str(port), "--", "--model", "unused"]) == 1
+        assert serve.main(["--metrics-port", str(port), "--", "--model", "unused"]) == 2
     err = capsys.readouterr().err
     assert str(port) in err and "--no-metrics" in err
+
+
+def test_main_checks_the_server_arguments_before_it_starts(capsys, tmp_path):
+    """`python -m mlx_watchdog.serve` too: mlx_lm.server's parsed arguments are checked before
+    it listens (its own run() would hang on a busy port or answer 503 for a missing model)."""
+    before = _hooked()
+    missing = tmp_path / "gone"
+    assert serve.main(["--no-metrics", "--", "--model", str(missing), "--draft-model", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (f"mlx-watchdog serve: error: model path does not exist: "
+                                               f"{missing} (mlx_lm.server's --model)")
+    (tmp_path / "draft").mkdir()
+    assert serve.main(["--no-metrics", "--", "--draft-model", str(tmp_path / "draft")]) == 2
+    assert "model folder has no config.json" in capsys.readouterr().err
+    assert serve.main(["--no-metrics", "--", "--host", "no-such-host.invalid"]) == 2
+    assert "cannot resolve 'no-such-host.invalid'" in capsys.readouterr().err
+    assert all(_hooked()[k] is before[k] for k in before)  # the hooks are off again
+    import mlx_lm.server
+
+    assert mlx_lm.server.run.__name__ == "run" and not hasattr(mlx_lm.server.run, "__wrapped__")
 
 
 # --------------------------------------------------------------------------- attach / detach

@@ -5,7 +5,13 @@
     for step in ...:
         wd.observe(cache)          # at the entry of each decode step
     print(wd.forecast().describe())
+
+The attachment points (``watch``, ``watch_model``, ``unwatch_model``, ``watch_step``) are
+importable from here too; they are loaded on first use (module ``__getattr__``), so that
+``import mlx_watchdog`` stays cheap.
 """
+
+import importlib
 
 from .actions import ResourceLimitForecast
 from .core import Watchdog, live_watchdogs
@@ -23,5 +29,25 @@ __all__ = [
     "find_arrays",
     "materialize",
     "live_watchdogs",
+    "watch",
+    "watch_model",
+    "unwatch_model",
+    "watch_step",
     "__version__",
 ]
+
+# name -> module that defines it, imported on first access
+_LAZY = {"watch": "attach", "watch_model": "attach", "unwatch_model": "attach", "watch_step": "attach"}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later accesses skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,15 +1,18 @@
 """``mlx-watchdog``: the command line.
 
-    mlx-watchdog demo                      # a tiny hybrid model leaking live, then fixed
-    mlx-watchdog diagnose --model PATH     # leak report for a real model (exit 1 on a leak)
+    mlx-watchdog demo                         # a tiny hybrid model leaking live, then fixed
+    mlx-watchdog diagnose --model PATH        # leak report for a real model (exit 1 on a leak)
     mlx-watchdog diagnose --to-the-limit --limit 20000
-    mlx-watchdog scan [FAMILY ...]         # every mlx-lm architecture, built tiny, leaks named
-    mlx-watchdog serve --fix -- --model PATH   # mlx_lm.server, watched (see serve.py)
+    mlx-watchdog scan [FAMILY ...]            # every mlx-lm architecture, built tiny, leaks named
+    mlx-watchdog serve --fix -- --model PATH  # mlx_lm.server, watched (see serve.py)
+
+Each subcommand is a module with ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args)``,
+registered in ``build_parser``; what they share (exit codes, argument types, consoles) is in
+``cli_common``, which they import instead of this module.
 
 Exit status: 0 fine, 1 a leak was found (diagnose) or the fix did not hold (demo), 2 usage or
-load errors (a bad option, a model that cannot be loaded, demo's metrics port in use). ``serve``
-exits 1 when its metrics endpoint cannot start (a port in use, a bad address or TLS file) and
-otherwise with mlx_lm.server's own status (0 after Ctrl-C or SIGTERM).
+load errors (a bad option, a model that cannot be loaded, a port in use). ``serve`` otherwise
+exits with mlx_lm.server's own status (0 after Ctrl-C or SIGTERM).
 
 ``serve`` is imported only when chosen: ``demo`` and ``diagnose`` must work even where
 serve.py (or mlx-lm's server) cannot be imported.
@@ -21,45 +24,20 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from . import __version__, options
+from . import __version__
+from .cli_common import (EXIT_INTERRUPTED, EXIT_LEAK, EXIT_OK, EXIT_USAGE, PROG, UsageError,  # noqa: F401
+                         split_server_argv)
 
-EXIT_OK = 0
-EXIT_LEAK = 1
-EXIT_USAGE = 2
-
-PROG = "mlx-watchdog"
+SERVE_USAGE = f"{PROG} serve [watchdog options] -- [mlx_lm.server arguments]"
 
 
-class UsageError(Exception):
-    """A mistake the user can fix (bad option, missing model, demo's port in use): exit status 2."""
+def _register(commands, name: str, module, help: str, **kwargs) -> argparse.ArgumentParser:
+    """One subcommand: ``module.add_arguments(parser)``; ``module.run(args)`` runs it."""
+    parser = commands.add_parser(name, help=help, description=module.DESCRIPTION, **kwargs)
+    module.add_arguments(parser)
+    parser.set_defaults(run=module.run)
+    return parser
 
-
-# --------------------------------------------------------------------------- argument types
-
-def checked(convert, is_valid, what: str, name: str):
-    """An argparse type: ``convert`` the text, then check it; errors say what was expected."""
-
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if not is_valid(value):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-        return value
-
-    parse.__name__ = name
-    return parse
-
-
-positive_int = checked(int, options.POSITIVE_INT.holds, options.POSITIVE_INT.what, "positive_int")
-port_number = checked(int, options.PORT.holds, options.PORT.what, "port_number")
-step_count = checked(float, options.STEPS.holds, options.STEPS.what, "step_count")
-fraction = checked(float, options.FRACTION.holds, options.FRACTION.what, "fraction")
-seconds = checked(float, options.SECONDS.holds, options.SECONDS.what, "seconds")
-
-
-# --------------------------------------------------------------------------- parser
 
 def build_parser(load_serve: bool = True) -> argparse.ArgumentParser:
     """The parser. ``load_serve=False`` leaves ``serve``'s options out (no import of serve.py)."""
@@ -73,23 +51,18 @@ def build_parser(load_serve: bool = True) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
-    from . import demo, diagnose  # light: they import MLX only when they run
+    from . import demo, diagnose, scan  # light: they import MLX only when they run
 
-    demo.add_arguments(commands.add_parser(
-        "demo", help="watch a tiny random-weight hybrid model leak live, then fix it (no download)",
-        description=demo.DESCRIPTION))
-    diagnose.add_arguments(commands.add_parser(
-        "diagnose", help="measure a model's leak, forecast the crash, check the fix",
-        description=diagnose.DESCRIPTION))
-    from . import scan  # `scan` (issue 18): every mlx-lm family, built tiny, decoded watched
-
-    scan.add_arguments(commands.add_parser(
-        "scan", help="build every mlx-lm architecture tiny, decode it watched, name its leaks",
-        description=scan.DESCRIPTION))
+    _register(commands, "demo", demo,
+              "watch a tiny random-weight hybrid model leak live, then fix it (no download)")
+    _register(commands, "diagnose", diagnose,
+              "measure a model's leak, forecast the crash, check the fix")
+    _register(commands, "scan", scan,
+              "build every mlx-lm architecture tiny, decode it watched, name its leaks")
 
     serve_parser = commands.add_parser(
         "serve", help="run mlx_lm.server with every model watched (server options after `--`)",
-        usage=f"{PROG} serve [watchdog options] -- [mlx_lm.server arguments]",
+        usage=SERVE_USAGE,
         description="Run mlx_lm.server in this process with every model it loads watched. "
                     "Everything after `--` goes to mlx_lm.server.")
     if load_serve:
@@ -109,13 +82,9 @@ def _import_serve():
     return serve, None
 
 
-def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split at the first literal ``--``: (our arguments, mlx_lm.server's arguments)."""
-    argv = list(argv)
-    if "--" in argv:
-        cut = argv.index("--")
-        return argv[:cut], argv[cut + 1:]
-    return argv, []
+def _usage_error(command: str, message: str) -> int:
+    print(f"{PROG} {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 # --------------------------------------------------------------------------- main
@@ -126,34 +95,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ours, server_argv = split_server_argv(argv)
     parser = build_parser(load_serve="serve" in ours)
     try:
-        args = parser.parse_args(ours)
+        args, unknown = parser.parse_known_args(ours)
+        if unknown and args.command == "serve":
+            return _usage_error("serve", f"unrecognized arguments: {' '.join(unknown)}; mlx_lm.server's "
+                                f"own arguments go after `--`: {PROG} serve [watchdog options] -- "
+                                f"{' '.join(unknown)}")
+        if unknown:
+            parser.parse_args(ours)  # argparse's own message and usage (exits 2)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
 
     if args.command != "serve" and server_argv:
-        print(f"{PROG} {args.command}: error: arguments after `--` ({' '.join(server_argv)}) are "
-              f"passed to mlx_lm.server; only `serve` takes them", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error(args.command, f"arguments after `--` ({' '.join(server_argv)}) are "
+                            "passed to mlx_lm.server; only `serve` takes them")
     try:
-        if args.command == "demo":
-            from . import demo
-
-            return demo.run(args)
-        if args.command == "diagnose":
-            from . import diagnose
-
-            return diagnose.run(args)
-        if args.command == "scan":
-            from . import scan
-
-            return scan.run(args)
-        return _run_serve(args, server_argv)
+        if args.command == "serve":
+            return _run_serve(args, server_argv)
+        return args.run(args)
     except UsageError as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error(args.command, str(exc))
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def _run_serve(args: argparse.Namespace, server_argv: list[str]) -> int:

@@ -11,10 +11,16 @@ estimate against the limit, the growth per step, the forecast crash and the top 
 limit is scaled down (default 10,000 buffers) so the crash is seconds away, not an hour; where the
 estimate reaches it, the watchdog stops the pass cleanly (``stop_within=0``), where a device with
 that limit would have crashed. Pass 2 decodes the same prompts with ``Watchdog(fix=True)``, as
-many steps as pass 1 decoded (fewer than ``--steps`` after such a stop, so that the tokens can be
+many steps as pass 1 decoded (fewer than ``--max-tokens`` after such a stop, so that the tokens can be
 compared): the growth is gone and the tokens are the same. A model whose cache mlx-lm cannot
 batch (``deepseek_v41``) runs the plain path (``generate_step``, one sequence) instead.
 ``/metrics`` is served on loopback meanwhile.
+
+``--json`` prints one JSON document on stdout (the live display goes to stderr): diagnose's
+report shape (``pydoc mlx_watchdog.diagnose``: ``runs`` with ``readings``, ``leaks`` and ``fix``)
+with ``schema`` "mlx-watchdog.demo/1", ``real_limit`` (the device's limit the crash is also
+forecast against), ``real_limit_step`` (the decode step of that crash, null: never) and
+``metrics_url``. ``--plot FILE`` draws it (see ``mlx_watchdog.plot``).
 
 Exit status: 0 the fix removed the growth with identical tokens, 1 it did not, 2 usage errors.
 """
@@ -25,11 +31,11 @@ import argparse
 import dataclasses
 import logging
 import math
-import sys
 import time
 from typing import Any, Optional
 
-from .cli import EXIT_LEAK, EXIT_OK, UsageError, port_number, positive_int
+from .cli_common import (EXIT_LEAK, EXIT_OK, UsageError, add_max_tokens, add_output_flags, consoles,
+                         deprecated_alias, port_number, positive_int, print_json)
 
 DESCRIPTION = (
     "Build a tiny random-weight hybrid model in memory (no download), decode it through "
@@ -49,11 +55,11 @@ FIX_MAX_GROWTH = 0.01
 OVERHEAD_BUDGET = 0.05
 REFRESH_SECONDS = 0.25
 DEFAULT_METRICS_PORT = 9464  # the exporter's default (OpenTelemetry's Prometheus port)
+SCHEMA = "mlx-watchdog.demo/1"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, metavar="N",
-                        help="decode steps per pass (default: %(default)s)")
+    add_max_tokens(parser, DEFAULT_STEPS, "decode steps (tokens per sequence) of pass 1")
     parser.add_argument("--model-type", default="qwen3_next", metavar="TYPE",
                         help="tiny model type: llama, qwen3, qwen3_next, deepseek_v41, qwen3_moe "
                              "(default: %(default)s, the hybrid that leaks)")
@@ -62,12 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=positive_int, default=DEFAULT_LIMIT, metavar="N",
                         help="buffer limit, scaled down from Metal's 499,000 so the crash is "
                              "near (default: %(default)s)")
-    parser.add_argument("--batch", type=positive_int, default=DEFAULT_BATCH, metavar="N",
+    parser.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH, metavar="N",
                         help="sequences decoded together (default: %(default)s)")
+    deprecated_alias(parser, "--batch", "--batch-size", "batch_size", type=positive_int, metavar="N")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default: 0)")
     parser.add_argument("--metrics-port", type=port_number, default=DEFAULT_METRICS_PORT, metavar="PORT",
                         help="port of /metrics on 127.0.0.1 (default: %(default)s; 0 picks a free one)")
     parser.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
+    add_output_flags(parser, "the report of `pydoc mlx_watchdog.demo`")
     return parser
 
 
@@ -82,11 +90,53 @@ class DemoOutcome:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    console, _ = consoles(json_output=args.json)
+    if args.plot:
+        from . import plot
 
-    # soft_wrap: plain lines (not a terminal) stay one line each, whatever the width.
-    console = Console(file=sys.stdout, highlight=False, markup=False, soft_wrap=True)
-    return run_demo(args, console).exit_status
+        plot.require()  # before the passes, not after
+    outcome = run_demo(args, console)
+    if args.plot or args.json:
+        document = report(args, outcome)
+        if args.plot:
+            from . import plot
+
+            plot.save(document, args.plot)
+            console.print(f"plot: {args.plot}")
+        if args.json:
+            print_json(document)
+    return outcome.exit_status
+
+
+def report(args: argparse.Namespace, outcome: DemoOutcome) -> dict:
+    """The ``--json`` document (diagnose's report shape, see the module docstring)."""
+    from .diagnose import _finite, _run_entry
+    from .limits import resolve_limit
+
+    entry = _run_entry(outcome.first, outcome.second)
+    entry.pop("_limit")
+    real_limit = resolve_limit(None)
+    f = outcome.first.forecast
+    growth = max(0.0, f.buffers_per_step)
+    real_step = None
+    if growth > 0:
+        real_step = _finite(f.step - outcome.first.step_offset + (real_limit - f.resident_buffers) / growth)
+    return {
+        "schema": SCHEMA,
+        "model": f"tiny:{args.model_type}",
+        "model_type": args.model_type,
+        "layers": args.layers,
+        "limit": int(f.limit),
+        "real_limit": int(real_limit),
+        "real_limit_step": real_step,
+        "steps": args.max_tokens,
+        "leak": entry["leak"],
+        "leak_sites": [l["site"] for l in entry["leaks"]],
+        "fix_removes_leak": entry["fix"]["removes_leak"],
+        "metrics_url": outcome.metrics_url,
+        "exit_status": outcome.exit_status,
+        "runs": [entry],
+    }
 
 
 def run_demo(args: argparse.Namespace, console) -> DemoOutcome:
@@ -143,7 +193,7 @@ def _passes(args: argparse.Namespace, model, console, real_limit: int):
     from .core import Watchdog
     from .diagnose import decode_pass
 
-    prompts = tiny.tiny_prompts(args.batch, PROMPT_TOKENS, seed=args.seed)
+    prompts = tiny.tiny_prompts(args.batch_size, PROMPT_TOKENS, seed=args.seed)
     unbatchable = _unbatchable_cache(model)
     path = "plain" if unbatchable else "batched"
     if unbatchable:
@@ -163,9 +213,9 @@ def _passes(args: argparse.Namespace, model, console, real_limit: int):
                         overhead_budget=OVERHEAD_BUDGET, walk_interval=0)
 
     leaky = watched()
-    view = _View(console, "pass 1/2: watch only", args.steps, len(prompts))
+    view = _View(console, "pass 1/2: watch only", args.max_tokens, len(prompts))
     try:
-        first = view.run(lambda cb: decode_pass(model, path, prompts, args.steps, leaky, cb))
+        first = view.run(lambda cb: decode_pass(model, path, prompts, args.max_tokens, leaky, cb))
     except Exception as exc:
         # A cache mlx-lm cannot batch that the check above did not see: fall back to the plain path.
         if path != "batched" or "batch" not in str(exc).lower():
@@ -174,17 +224,17 @@ def _passes(args: argparse.Namespace, model, console, real_limit: int):
         console.print(f"note: mlx-lm cannot batch {args.model_type} ({exc}); pass 1 again on the "
                       "plain path (generate_step, one sequence)")
         leaky = watched()
-        view = _View(console, "pass 1/2: watch only (plain path)", args.steps, 1)
-        first = view.run(lambda cb: decode_pass(model, path, prompts, args.steps, leaky, cb))
+        view = _View(console, "pass 1/2: watch only (plain path)", args.max_tokens, 1)
+        first = view.run(lambda cb: decode_pass(model, path, prompts, args.max_tokens, leaky, cb))
     steps_done = first.decode_steps
     if first.stopped is not None:
         console.print(f"step {first.forecast.step - first.step_offset:,}: the estimate reached the limit of "
                       f"{args.limit:,} buffers. A device with this limit would crash here; the "
                       f"watchdog stopped the decode cleanly (Watchdog(stop_within=0)) after "
-                      f"{steps_done:,} of {args.steps:,} steps.")
+                      f"{steps_done:,} of {args.max_tokens:,} steps.")
     title = "pass 2/2: Watchdog(fix=True)"
-    if steps_done < args.steps:
-        title += (f", {steps_done:,} steps (not {args.steps:,}): as many as pass 1 decoded, "
+    if steps_done < args.max_tokens:
+        title += (f", {steps_done:,} steps (not {args.max_tokens:,}): as many as pass 1 decoded, "
                   "so that the tokens can be compared")
     fixed = Watchdog(args.limit, name=f"demo-{args.model_type}-fixed", fix=True, fix_every=1,
                      overhead_budget=OVERHEAD_BUDGET, walk_interval=0)

@@ -1,11 +1,12 @@
 """``mlx-watchdog diagnose``: measure a model's decode leak, forecast the crash, check the fix.
 
-    mlx-watchdog diagnose --model mlx-community/Qwen3-Next-80B-A3B-4bit --steps 200
-    mlx-watchdog diagnose --model ./my-port --batch --json        # gate a model port in CI
+    mlx-watchdog diagnose --model mlx-community/Qwen3-Next-80B-A3B-4bit --max-tokens 200
+    mlx-watchdog diagnose --model ./my-port --path batched --json   # gate a model port in CI
+    mlx-watchdog diagnose --model ./my-port --plot leak.png         # the picture to share
     mlx-watchdog diagnose --to-the-limit --model ./my-port        # on a Mac: trust the forecast
     mlx-watchdog diagnose --to-the-limit --limit 20000            # anywhere: same path, scaled
 
-The diagnosis decodes ``--steps`` steps through mlx-lm's plain path (``generate_step``, one
+The diagnosis decodes ``--max-tokens`` steps through mlx-lm's plain path (``generate_step``, one
 sequence) and/or its batched path (``BatchGenerator``, ``--batch-size`` equal-length copies of
 the prompt: the case that leaks in mlx-lm 0.32.2), first watched only, then with
 ``Watchdog(fix=True)``, and compares the tokens. The measurements are of the decode: the
@@ -15,6 +16,9 @@ the cache filling up once is not mistaken for growth.
 Exit status: 0 no leak, 1 a leak was found, 2 usage or load errors. With ``--to-the-limit``:
 0 the forecast was checked against a failing step, 1 no failing step was reached (step cap, or
 the child ended early), 2 usage or load errors.
+
+Progress goes to stderr, as a bar per pass on a terminal (none in a pipe or a log); with
+``--json`` stdout holds the one JSON document and nothing else.
 
 JSON (``--json``): one object on stdout. Each block lists ``key  type  meaning``; a type in
 braces is an object described by the block of that name, ``[x]`` a list of x, ``|null`` means
@@ -27,7 +31,7 @@ the value may be null (JSON has no infinity: "never" is null).
     device            str          MLX's device name
     limit             int          buffer limit forecast against
     limit_source      str          "--limit" | "device" (Metal's resource_limit) | "default" (499000)
-    steps             int          decode steps per pass (--steps)
+    steps             int          decode steps per pass (--max-tokens)
     leak              bool         some path grows by >= 0.01 buffers per decode step
     leak_sites        [str]        leaking sites over all paths, e.g. "ArraysCache.left_padding"
     fix_removes_leak  bool|null    every leaking path is flat (< 0.01/step) with the fix and its
@@ -61,6 +65,7 @@ the value may be null (JSON has no infinity: "never" is null).
     watchdog_overhead float        watchdog seconds on the decode thread / decode_seconds
                                    (self-timed; short runs overstate it: the first walks are
                                    granted up front)
+    readings          [[int]]      [decode step, resident buffers] at each graph walk
     fix               {fix}        the same decode again with Watchdog(fix=True)
 
   leak:
@@ -80,6 +85,7 @@ the value may be null (JSON has no infinity: "never" is null).
     materialized_arrays int        pending cache arrays the fix scheduled for evaluation
     decode_seconds    float        wall time of the fixed pass
     watchdog_overhead float        as above, for the fixed pass
+    readings          [[int]]      as above, for the fixed pass
 
 With ``--to-the-limit --json``:
 
@@ -139,7 +145,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .cli import EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, positive_int
+from .cli_common import (EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, add_max_tokens, add_output_flags,
+                         consoles, deprecated_alias, local_model_problem, looks_local, positive_int,
+                         print_json)
 
 DESCRIPTION = (
     "Decode a model through mlx-lm's plain and/or batched path with the watchdog, then again with "
@@ -155,6 +163,7 @@ DEFAULT_STEPS = 200
 DEFAULT_BATCH_SIZE = 2
 DEFAULT_PROMPT = "The watchdog counts the buffers each decode step leaves behind."
 DEFAULT_MAX_STEPS = 100_000
+PATHS = ("batched", "plain")
 CHECKPOINT_PERCENTS = (1.0, 5.0, 10.0, 25.0, 50.0)
 CHILD_TAG = "@mlx-watchdog "  # prefix of the child's protocol lines on its stdout
 STALL_SECONDS = 300.0  # no step record from the child for this long: it is stuck
@@ -171,21 +180,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--model", metavar="PATH_OR_HF_ID",
                         help="local model folder or Hugging Face id for mlx_lm.load (required, "
                              "except with --to-the-limit, which defaults to the demo's tiny model)")
-    parser.add_argument("--batch", action="store_true",
-                        help="decode through the batched path (BatchGenerator)")
-    parser.add_argument("--plain", action="store_true",
-                        help="decode through the plain path (generate_step); default: both paths")
+    parser.add_argument("--path", choices=(*PATHS, "both"), default="both",
+                        help="mlx-lm's batched path (BatchGenerator), its plain path "
+                             "(generate_step), or both (default: %(default)s; --to-the-limit: batched)")
+    deprecated_alias(parser, "--batch", "--path batched", "path", nargs=0, const="batched")
+    deprecated_alias(parser, "--plain", "--path plain", "path", nargs=0, const="plain")
     parser.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
                         help="sequences on the batched path (default: %(default)s)")
-    parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, metavar="N",
-                        help="decode steps per pass (default: %(default)s)")
-    parser.add_argument("--prompt", action="append", metavar="TEXT",
+    add_max_tokens(parser, DEFAULT_STEPS, "decode steps (tokens per sequence) of each pass")
+    parser.add_argument("-p", "--prompt", action="append", metavar="TEXT",
                         help="prompt text (repeat for several; the batched path cycles through "
                              "them; equal lengths are the case that leaks)")
     parser.add_argument("--limit", type=positive_int, default=None, metavar="N",
                         help="buffer limit (default: the device's Metal resource limit, else 499000)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object (schema in `pydoc mlx_watchdog.diagnose`)")
+    add_output_flags(parser, "schema in `pydoc mlx_watchdog.diagnose`")
     group = parser.add_argument_group("--to-the-limit: check the forecast against a real failure")
     group.add_argument("--to-the-limit", action="store_true",
                        help="decode in a child process until the real Metal resource-limit error "
@@ -204,64 +212,97 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    console = Console(file=sys.stdout, highlight=False, markup=False, soft_wrap=True)
-    if not console.is_terminal:
-        console.width = max(console.width, 160)  # a log or a pipe: keep the report's table unsquashed
+    console, progress_console = consoles(json_output=args.json)
     if args.to_the_limit:
-        return to_the_limit(args, console)
+        if args.plot:
+            raise UsageError("--plot draws the passes of a diagnosis; it does not apply to --to-the-limit")
+        return to_the_limit(args, console, progress_console)
     if not args.model:
         raise UsageError("--model PATH_OR_HF_ID is required (a local folder or a Hugging Face id)")
+    if args.plot:
+        from . import plot
+
+        plot.require()  # before minutes of decoding, not after
     model, tokenizer, info = load_model(args.model)
     prompts = encode_prompts(tokenizer, args.prompt)
     paths = selected_paths(args)
     if not args.json:
         console.print(f"mlx-watchdog diagnose: {args.model} ({info['model_type']}), "
-                      f"paths: {', '.join(paths)}, {args.steps} decode steps per pass")
-    report = diagnose_model(model, prompts, paths=paths, steps=args.steps, limit=args.limit,
-                            batch_size=args.batch_size, model_spec=args.model,
-                            model_type=info["model_type"],
-                            progress=None if args.json else console.print)
+                      f"paths: {', '.join(paths)}, {args.max_tokens} decode steps per pass")
+    with PassProgress(progress_console, log=None if args.json else console.print) as progress:
+        report = diagnose_model(model, prompts, paths=paths, steps=args.max_tokens, limit=args.limit,
+                                batch_size=args.batch_size, model_spec=args.model,
+                                model_type=info["model_type"], progress=progress)
+    if args.plot:
+        from . import plot
+
+        plot.save(report, args.plot)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print_json(report)
     else:
         render_report(report, console)
+        if args.plot:
+            console.print(f"plot: {args.plot}")
     return report["exit_status"]
 
 
 def selected_paths(args: argparse.Namespace) -> list[str]:
-    if args.batch and not args.plain:
-        return ["batched"]
-    if args.plain and not args.batch:
-        return ["plain"]
-    return ["batched", "plain"]
+    path = getattr(args, "path", "both")
+    return list(PATHS) if path == "both" else [path]
+
+
+class PassProgress:
+    """Progress of the passes: a rich bar per pass on ``console`` (stderr) when it is a
+    terminal, else one line per pass through ``log`` (None: quiet). ``start(title, steps)``
+    begins a pass and returns its ``on_step`` for ``decode_pass``."""
+
+    def __init__(self, console, log: Optional[Callable[[str], Any]] = None):
+        self.console, self.log = console, log
+        self._progress = None
+        if console.is_terminal:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn, TimeRemainingColumn)
+
+            self._progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                      MofNCompleteColumn(), TextColumn("steps"), TimeElapsedColumn(),
+                                      TimeRemainingColumn(), console=console)
+
+    def __enter__(self) -> "PassProgress":
+        if self._progress is not None:
+            self._progress.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._progress is not None:
+            self._progress.stop()
+        return False
+
+    def start(self, title: str, steps: int) -> Optional[Callable[[int, Any, float], bool]]:
+        if self._progress is None:
+            if self.log is not None:
+                self.log(f"  {title}...")
+            return None
+        progress = self._progress
+        task = progress.add_task(title, total=steps)
+
+        def on_step(step: int, watchdog, elapsed: float) -> bool:
+            progress.update(task, completed=step)
+            return False
+
+        return on_step
 
 
 # --------------------------------------------------------------------------- loading
-
-def _looks_local(spec: str) -> bool:
-    """A path rather than a Hugging Face id (an id is "name" or "org/name": at most one slash,
-    no leading "/", "." or "~")."""
-    return (spec.startswith(("/", ".", "~")) or spec.count("/") > 1
-            or (os.altsep is not None and os.altsep in spec) or os.path.exists(spec))
-
 
 def load_model(spec: str):
     """``mlx_lm.load(spec)`` with errors a user can act on. Returns (model, tokenizer, info)."""
     if not isinstance(spec, str) or not spec.strip():
         raise UsageError(f"--model must be a local model folder or a Hugging Face id, got {spec!r}")
     local = Path(os.path.expanduser(spec))
-    if _looks_local(spec):
-        if not local.exists():
-            raise UsageError(f"model path does not exist: {spec}")
-        if not local.is_dir():
-            raise UsageError(f"model path is not a folder: {spec} (expected config.json and weights)")
-        if not (local / "config.json").is_file():
-            raise UsageError(f"model folder has no config.json: {spec}")
-        target = str(local)
-    else:
-        target = spec
+    problem = local_model_problem(spec)
+    if problem is not None:
+        raise UsageError(problem)
+    target = str(local) if looks_local(spec) else spec
     model_type = _config_model_type(local / "config.json") if local.is_dir() else None
     import mlx_lm
 
@@ -325,6 +366,8 @@ class PassResult:
     stopped: Any = None  # the ResourceLimitForecast that ended the pass early, if any
     # Forward passes before decode step 1 (the prefill): watchdog step - offset = decode step.
     step_offset: int = 0
+    # (decode step, resident buffers) of each graph walk during the decode
+    readings: list = dataclasses.field(default_factory=list)
 
     @property
     def decode_steps(self) -> int:
@@ -375,8 +418,10 @@ def decode_pass(model, path: str, prompts: list[list[int]], steps: int, watchdog
     else:
         raise ValueError(f"path must be 'plain' or 'batched', got {path!r}")
     tokens: list[list[int]] = [[] for _ in prompts]
+    readings: list[list[int]] = []
+    before_end = None  # the forecast one step before the last (see below)
     stopped = None
-    offset = 0
+    offset = walks = 0
     watch_model(model, watchdog)
     start = time.perf_counter()
     try:
@@ -385,7 +430,17 @@ def decode_pass(model, path: str, prompts: list[list[int]], steps: int, watchdog
                 tokens[sequence].append(token)
             if step == 1:
                 watchdog.reset()  # measure the decode, not the prefill filling the cache once
-                offset = watchdog.steps - 1
+                offset, walks = watchdog.steps - 1, watchdog.walks
+            elif watchdog.walks != walks:  # a new reading: one forecast per walk, not per step
+                walks = watchdog.walks
+                forecast = watchdog.forecast()
+                decode_step = int(forecast.measured_step - offset)
+                # The last step's forward is where the batch ends and its caches die: that reading
+                # is the teardown, not the decode's level.
+                if forecast.decoding and decode_step < steps:
+                    readings.append([decode_step, int(forecast.resident_buffers)])
+            if step == steps - 1:
+                before_end = watchdog.forecast()
             if on_step is not None and on_step(step, watchdog, time.perf_counter() - start):
                 break
     except ResourceLimitForecast as exc:
@@ -394,7 +449,12 @@ def decode_pass(model, path: str, prompts: list[list[int]], steps: int, watchdog
         stepper.close()
         seconds = time.perf_counter() - start
         unwatch_model(model)
-    return PassResult(path, prompts, tokens, seconds, watchdog, watchdog.forecast(), stopped, offset)
+    # BatchGenerator drops a batch's caches as it yields its last tokens, and the forecast drops
+    # their buffers with them: a pass that ran to the end reports the forecast of its last
+    # step but one, the decode's, not its teardown's.
+    ran_out = stopped is None and max((len(t) for t in tokens), default=0) >= steps
+    final = before_end if ran_out and before_end is not None else watchdog.forecast()
+    return PassResult(path, prompts, tokens, seconds, watchdog, final, stopped, offset, readings)
 
 
 def batch_prompts(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
@@ -416,7 +476,7 @@ def _leaks(forecast) -> list[dict]:
 
 def diagnose_model(model, prompts: list[list[int]], *, paths: Sequence[str], steps: int,
                    limit: Optional[int], batch_size: int, model_spec: str, model_type: str,
-                   progress: Optional[Callable[[str], Any]] = None) -> dict:
+                   progress: Optional[PassProgress] = None) -> dict:
     """Run each path unfixed then fixed; return the report (the JSON object of the docstring)."""
     import mlx.core as mx
 
@@ -425,19 +485,20 @@ def diagnose_model(model, prompts: list[list[int]], *, paths: Sequence[str], ste
     from .limits import device_name, device_resource_limit
 
     if steps <= 0:
-        raise UsageError(f"--steps must be a positive integer, got {steps}")
+        raise UsageError(f"--max-tokens must be a positive integer, got {steps}")
     runs = []
     for path in paths:
         path_prompts = batch_prompts(prompts, batch_size) if path == "batched" else prompts[:1]
         results = {}
         for fix in (False, True):
+            on_step = None
             if progress is not None:
-                progress(f"  {path} path, {'Watchdog(fix=True)' if fix else 'watch only'}: "
-                         f"{steps} steps x {len(path_prompts)} sequence(s)...")
+                on_step = progress.start(f"{path} path, {'Watchdog(fix=True)' if fix else 'watch only'}, "
+                                         f"{len(path_prompts)} sequence(s)", steps)
             # fix_every=1: the diagnosis asks whether cutting every step removes the growth.
             watchdog = Watchdog(limit, name=f"diagnose-{path}{'-fixed' if fix else ''}",
                                 fix=fix, fix_every=1, export=False)
-            results[fix] = decode_pass(model, path, path_prompts, steps, watchdog)
+            results[fix] = decode_pass(model, path, path_prompts, steps, watchdog, on_step)
         runs.append(_run_entry(results[False], results[True]))
     limit_value = runs[0]["_limit"] if runs else (limit or 0)
     for entry in runs:
@@ -490,6 +551,7 @@ def _run_entry(plain: PassResult, fixed: PassResult) -> dict:
         "seconds_to_limit": _finite(f.seconds_to_limit),
         "watchdog_overhead": round(plain.watchdog.overhead_seconds / plain.seconds, 5)
         if plain.seconds > 0 else 0.0,
+        "readings": plain.readings,
         "fix": {
             "buffers_per_step": round(fixed_growth, 4),
             "removes_leak": bool(fixed_growth < FIX_MAX_GROWTH and identical),
@@ -499,6 +561,7 @@ def _run_entry(plain: PassResult, fixed: PassResult) -> dict:
             "decode_seconds": round(fixed.seconds, 4),
             "watchdog_overhead": round(fixed.watchdog.overhead_seconds / fixed.seconds, 5)
             if fixed.seconds > 0 else 0.0,
+            "readings": fixed.readings,
         },
         "_limit": f.limit,
     }
@@ -573,7 +636,7 @@ def render_report(report: dict, console) -> None:
 
 # --------------------------------------------------------------------------- --to-the-limit
 
-def to_the_limit(args: argparse.Namespace, console) -> int:
+def to_the_limit(args: argparse.Namespace, console, progress_console=None) -> int:
     """Run the decode in a child process until it fails; compare with the forecast at 1%."""
     import mlx.core as mx
 
@@ -590,8 +653,9 @@ def to_the_limit(args: argparse.Namespace, console) -> int:
                              f"{', '.join(tiny.MODEL_TYPES)}")
         model_label = f"embedded:{args.model_type}"
     else:
-        if _looks_local(args.model) and not os.path.exists(os.path.expanduser(args.model)):
-            raise UsageError(f"model path does not exist: {args.model}")
+        problem = local_model_problem(args.model)
+        if problem is not None:
+            raise UsageError(problem)
         model_label = args.model
     path = selected_paths(args)[0]
     config = {
@@ -605,10 +669,22 @@ def to_the_limit(args: argparse.Namespace, console) -> int:
                 else "the real Metal resource-limit error")
         console.print(f"mlx-watchdog diagnose --to-the-limit: {model_label}, {path} path; a child "
                       f"process decodes until {ends} (cap {args.max_steps:,} steps)")
-    outcome = _run_child(config, console, quiet=args.json)
+    bar = None
+    if progress_console is not None and progress_console.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        # The total is the forecast limit step, known once the child has measured a rate.
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("steps to the forecast limit"), TimeElapsedColumn(),
+                       console=progress_console)
+    if bar is not None:
+        with bar:
+            outcome = _run_child(config, console, quiet=True, bar=bar)
+    else:
+        outcome = _run_child(config, console, quiet=args.json)
     report = _limit_report(outcome, config, model_label, path)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print_json(report)
     else:
         _render_limit_report(report, console)
     return report["exit_status"]
@@ -623,7 +699,9 @@ class _ChildOutcome:
     stalled: bool = False
 
 
-def _run_child(config: dict, console, quiet: bool) -> _ChildOutcome:
+def _run_child(config: dict, console, quiet: bool, bar=None) -> _ChildOutcome:
+    """Run the child and collect its records; progress as a rich ``bar`` (on a terminal), or a
+    line every 5 s on ``console`` unless ``quiet``."""
     command = [sys.executable, "-m", "mlx_watchdog.diagnose", "--child", json.dumps(config)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     lines: "queue.Queue[Optional[str]]" = queue.Queue()
@@ -662,6 +740,11 @@ def _run_child(config: dict, console, quiet: bool) -> _ChildOutcome:
                     continue
                 if "s" in message:
                     records.append((message["s"], message["r"], message["ls"]))
+                    if bar is not None:
+                        if not bar.tasks:
+                            bar.add_task("child decoding", total=None)
+                        bar.update(bar.tasks[0].id, completed=message["s"], total=message["ls"],
+                                   description=f"child: resident ~{message['r']:,} buffers")
                     if not quiet and time.monotonic() - last_print > 5.0:
                         last_print = time.monotonic()
                         forecast = _count(message["ls"])

@@ -48,7 +48,7 @@ import tempfile
 import time
 from typing import Any, Optional, Sequence
 
-from .cli import EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, positive_int
+from .cli_common import EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, positive_int
 
 SCHEMA = "mlx-watchdog.scan/1"
 PATHS = ("plain", "batched", "unequal", "join", "quantized")

@@ -19,6 +19,11 @@ and puts the originals back on exit):
   requests that had not started back in the queue, drops the stopped batch and its caches, and
   runs the loop again: later requests are served on a fresh batch.
 
+Before mlx_lm.server starts listening, its parsed arguments are checked (``server.run`` is
+wrapped while ``serve`` runs): a local ``--model`` (``--adapter-path``, ``--draft-model``) that
+does not exist and an API port that is in use (or the metrics port) end ``serve`` with one line
+and exit status 2, instead of mlx_lm.server's traceback and a server that hangs or answers 503.
+
 The non-batched path (``_serve_single``: seeds, ``--kv-bits``, draft models, images) catches
 exceptions itself and puts them on the response queue; the channel turns a stop found there into
 the same final chunk.
@@ -43,7 +48,8 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 
 from .attach import unwatch_model, watch_model, watched_state
-from .cli import fraction, port_number, positive_int, seconds, split_server_argv, step_count
+from .cli_common import (EXIT_USAGE, PROG, UsageError, fraction, local_model_problem, port_number,
+                         port_problem, positive_int, seconds, split_server_argv, step_count)
 from .core import ResourceLimitForecast, Watchdog
 from .options import checked_fraction, checked_port, checked_positive_int, checked_steps, checked_walk_interval
 
@@ -475,30 +481,68 @@ def _model_label(model_path: Any) -> str:
 def _start_metrics(args: argparse.Namespace):
     from .exporters.prometheus import start_metrics_server
 
-    return start_metrics_server(args.metrics_port, addr=args.metrics_addr)
+    try:
+        return start_metrics_server(args.metrics_port, addr=args.metrics_addr)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--metrics-port/--metrics-addr: {exc} (or pass --no-metrics)") from exc
+
+
+def preflight(cli_args: argparse.Namespace, host: str, port: int, metrics: Any = None) -> None:
+    """Check what mlx_lm.server parsed before it starts; raise ``UsageError`` naming the flag."""
+    for flag in ("model", "adapter_path", "draft_model"):
+        spec = getattr(cli_args, flag, None)
+        problem = local_model_problem(str(spec)) if spec else None
+        if problem is not None:
+            raise UsageError(f"{problem} (mlx_lm.server's --{flag.replace('_', '-')})")
+    metrics_port = getattr(metrics, "port", None)
+    if metrics_port == port:
+        raise UsageError(f"mlx_lm.server's --port {port} is the metrics port: choose another "
+                         "--port or --metrics-port")
+    problem = port_problem(host, port)
+    if problem is not None:
+        raise UsageError(f"mlx_lm.server's --host/--port: {problem} (another server there? choose "
+                         "another --port)")
+
+
+class _Preflight:
+    """While active, ``server.run(host, port, model_provider)`` runs ``preflight`` first."""
+
+    def __init__(self, server: Any, metrics: Any):
+        self.server, self.metrics, self.original = server, metrics, None
+
+    def __enter__(self):
+        original = self.original = self.server.run
+
+        @functools.wraps(original)
+        def run(host, port, model_provider, *args, **kwargs):
+            preflight(model_provider.cli_args, host, port, self.metrics)
+            return original(host, port, model_provider, *args, **kwargs)
+
+        self.server.run = run
+        return self
+
+    def __exit__(self, *exc):
+        self.server.run = self.original
+        return False
 
 
 def run(args: argparse.Namespace, server_argv: Sequence[str]) -> int:
     """Run ``mlx_lm.server`` with ``server_argv`` in this process, watched as ``args`` say.
 
     Returns the exit status: 0 after a clean shutdown (Ctrl-C or SIGTERM), the server's own
-    status when its argument parser exits, 1 when the metrics endpoint cannot start."""
+    status when its argument parser exits. Raises ``UsageError`` (exit status 2 from the command
+    line) when the metrics endpoint cannot start or ``preflight`` finds a problem."""
     options = watchdog_options(args)
     server_argv = [str(a) for a in server_argv]
     hooks = ServerHooks(options, adapt_prefill=getattr(args, "adapt_prefill", False))
     metrics = None
     if not getattr(args, "no_metrics", False):
-        try:
-            metrics = _start_metrics(args)
-        except (OSError, ValueError) as exc:
-            print(f"mlx-watchdog serve: error: --metrics-port/--metrics-addr: {exc} "
-                  "(or pass --no-metrics)", file=sys.stderr)
-            return 1
+        metrics = _start_metrics(args)
         print(f"mlx-watchdog: metrics at {getattr(metrics, 'url', args.metrics_port)}", file=sys.stderr, flush=True)
     saved_argv = sys.argv
     restore_signal = _terminate_as_interrupt()
     try:
-        with hooks:
+        with hooks, _Preflight(hooks.server, metrics):
             sys.argv = [SERVER_PROG, *server_argv]
             hooks.server.main()
         return 0
@@ -544,9 +588,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         return run(args, server_argv)
-    except ValueError as exc:
-        print(f"mlx-watchdog serve: error: {exc}", file=sys.stderr)
-        return 2
+    except (UsageError, ValueError) as exc:
+        print(f"{PROG} serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":
