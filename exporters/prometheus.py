@@ -114,6 +114,9 @@ _SPECS = (
           "look-ahead forwards."),
     _Spec("mlx_watchdog_materialized_arrays", "counter",
           "Pending cache arrays the fix scheduled for evaluation (Watchdog(fix=True))."),
+    _Spec("mlx_watchdog_fix_failures", "counter",
+          "Pending cache arrays the fix could not schedule (MLX refused them, e.g. made on another "
+          "thread's stream); the others were scheduled."),
     _Spec("mlx_watchdog_reclaimed_buffers", "counter",
           "Buffers the fix kept from accumulating (the growth it cut, summed over steps)."),
     _Spec("mlx_watchdog_stops", "counter",
@@ -247,6 +250,7 @@ class WatchdogCollector:
         rows += [
             ("mlx_watchdog_steps", base, wd.steps),
             ("mlx_watchdog_materialized_arrays", base, wd.materialized_arrays),
+            ("mlx_watchdog_fix_failures", base, wd.fix_failures),
             ("mlx_watchdog_reclaimed_buffers", base, wd.reclaimed_buffers),
             ("mlx_watchdog_overhead_seconds", base, wd.overhead_seconds),
             ("mlx_watchdog_internal_errors", base, wd.internal_errors),

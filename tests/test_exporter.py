@@ -692,11 +692,7 @@ def test_site_series_are_capped_and_the_rest_summed_into_other():
         exporter.WatchdogCollector([wd], max_sites=True)
 
 
-# Issue 15 item 3 has two halves: the count of site series (this branch, tested above) and the
-# label text (the walk's site naming, another branch). This test checks the text half; it fails
-# until the walk names a dict key that is not a short identifier with a placeholder.
-@pytest.mark.xfail(strict=True, reason="site label text is sanitized on the walk branch (issue 15 item 3); "
-                                       "remove this mark once it is merged")
+# The label text: a dict key that is not a short identifier of a code-defined structure is a placeholder.
 def test_no_key_text_of_a_user_dict_reaches_the_metrics():
     from collections import OrderedDict
 

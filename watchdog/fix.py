@@ -59,13 +59,15 @@ def _evaluated(array: mx.array) -> bool:
 def evaluated_output(output: Any) -> bool:
     """Has the program evaluated or scheduled its last output? (True when unknown.) The fix runs
     only then, so the watchdog never computes what the program itself would not have."""
+    # Exact types only: isinstance() reads __class__ and iterating a subclass runs its code.
+    kind = type(output)
     if output is None:
         return True
-    if isinstance(output, mx.array):
+    if issubclass(kind, mx.array):
         return is_evaluated(output)
-    if isinstance(output, (list, tuple)):
+    if kind is list or kind is tuple:
         for item in output:
-            if isinstance(item, mx.array):
+            if issubclass(type(item), mx.array):
                 return is_evaluated(item)
     return True
 
