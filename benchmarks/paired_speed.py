@@ -103,7 +103,7 @@ def measure(args) -> list[str]:
     recorder.write({"type": "run", "command": "python benchmarks/paired_speed.py " + shlex.join(sys.argv[1:]),
                     "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
                     "mlx": mx.__version__, "device": str(mx.default_device()), "revision": revision(),
-                    "load": os.getloadavg()[0], "variants": args.variants, "steps": args.steps,
+                    "load": os.getloadavg()[0], "variants": args.variants, "compare": [list(c) for c in args.compare], "steps": args.steps,
                     "chunk": args.chunk, "interleave_steps": args.interleave_steps, "model": f"{args.model} {args.layers} layers hidden {args.hidden or 64} "
                                                   f"{args.dtype} via {args.path}"
                                                   + (f", batch {args.batch}" if args.path == "batched" else "")})
@@ -172,7 +172,8 @@ def report(paths: list[str], compare: list[tuple[str, str]], run_filter=None) ->
               "| rounds | loss > 1% excluded | within +/-1% | CPU vs unwatched | self-timed | retained at end "
               "| tokens identical |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    pairs = [(v, "unwatched") for v in variants if v != "unwatched"] + list(compare)
+    recorded = [tuple(c) for r in runs for c in r.get("compare", [])]
+    pairs = list(dict.fromkeys([(v, "unwatched") for v in variants if v != "unwatched"] + recorded + list(compare)))
     for a, b in pairs:
         ratio, steady = paired_ratio(table, a, b), paired_ratio(table, a, b, skip=stalled)
         if ratio is None or steady is None:
