@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
-LANGUAGES = {"python", "text", "sh", "bash", "yaml", "json"}
+LANGUAGES = {"python", "text", "sh", "bash", "yaml", "json", "promql"}
 FENCE = re.compile(r"^([ \t]*)```(\S*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.S | re.M)
 FENCE_LINE = re.compile(r"^[ \t]*```", re.M)
 BLOCK_SECONDS = 120

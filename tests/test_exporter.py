@@ -55,7 +55,7 @@ GAUGES = {
     "mlx_watchdog_rate_known", "mlx_watchdog_decoding",
 }
 COUNTERS = {  # sample names; the family names lack "_total"
-    "mlx_watchdog_steps_total", "mlx_watchdog_materialized_arrays_total",
+    "mlx_watchdog_steps_total", "mlx_watchdog_materialized_arrays_total", "mlx_watchdog_fix_failures_total",
     "mlx_watchdog_reclaimed_buffers_total", "mlx_watchdog_stops_total",
     "mlx_watchdog_overhead_seconds_total", "mlx_watchdog_internal_errors_total",
 }
@@ -227,6 +227,7 @@ def test_values_match_the_forecast_during_a_leaky_decode(leaky, flat, registry):
         assert value(families, "mlx_watchdog_internal_errors_total", **label) == wd.internal_errors == 0
         assert value(families, "mlx_watchdog_stops_total", reason="forecast", **label) == 0
         assert value(families, "mlx_watchdog_materialized_arrays_total", **label) == 0  # fix=False
+        assert value(families, "mlx_watchdog_fix_failures_total", **label) == 0
     # The other watchdog: the same model family without the leak.
     flat_label = {"watchdog": "exp-flat"}
     assert value(families, "mlx_watchdog_buffers_per_step", **flat_label) == 0

@@ -494,6 +494,10 @@ def test_an_array_that_cannot_be_evaluated_here_costs_only_itself():
         roots[1]["pos"] = roots[1]["pos"] + 1
     assert wd.steps == 12 and wd.walks >= 1 and wd.internal_errors == 0
     assert wd.fix_failures >= 1 and wd.materialized_arrays >= 1
+    from mlx_watchdog.exporters.prometheus import WatchdogCollector
+
+    exported = {s.name: s.value for family in WatchdogCollector([wd]).collect() for s in family.samples}
+    assert exported["mlx_watchdog_fix_failures_total"] == wd.fix_failures  # and a scrape says so
 
 
 def test_an_array_never_initialized_is_skipped_alone():

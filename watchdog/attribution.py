@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional, Sequence
 import mlx.core as mx
 
 from .graph import is_evaluated
-from .introspect import MAX_SITE_LEN, resolve
+from .introspect import MAX_SITE_LEN, follow
 
 MAX_RECORDS = 256  # assignments noted before a probe ends itself (a step of a very deep model)
 _MISSING = object()
@@ -231,7 +231,7 @@ def _owner(site: str, found: Iterable, roots: Sequence[Any]) -> Optional[tuple[t
         if last is None or f.root >= len(roots):
             return None
         try:
-            owner = resolve(roots[f.root], steps[:last])
+            owner = follow(roots[f.root], steps[:last])
         except Exception:
             return None
         attr = steps[last][1]

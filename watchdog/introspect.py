@@ -220,7 +220,17 @@ def _site(owner: rawread.TypeInfo, name: Any) -> str:
 
 
 def resolve(root: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
-    """Follow the access steps recorded by :func:`scan` from ``root`` (no walk, no user code)."""
+    """Follow the access steps recorded by :func:`scan` from ``root`` to its array (no walk, no
+    user code)."""
+    value = follow(root, steps)
+    if info(type(value)).kind != ARRAY:  # the structure changed: what is there now is not ours to read
+        raise LookupError("no array at this path now")
+    return value
+
+
+def follow(root: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
+    """Whatever object the access steps lead to from ``root`` (a prefix of a path ends at the
+    object holding an array)."""
     value = root
     for kind, key in steps:
         if kind == "attr":
@@ -229,6 +239,4 @@ def resolve(root: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
             value = rawread.item(value, key)
         else:
             raise LookupError(f"{kind} members cannot be re-resolved")
-    if info(type(value)).kind != ARRAY:  # the structure changed: what is there now is not ours to read
-        raise LookupError("no array at this path now")
     return value
