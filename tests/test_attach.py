@@ -553,3 +553,18 @@ def test_overlapping_decorated_calls_keep_the_model_watched_until_the_last_ends(
         w.join(timeout=30)
     assert results == [True, True]
     assert type(model) is original
+
+
+@pytest.mark.parametrize("fix", [False, True])
+def test_the_last_output_is_held_only_for_the_fix(llama, fix):
+    """The fix waits until the program has evaluated its last output, so it holds that output for
+    one step; without the fix nothing needs it, and a prefill chunk's logits (tokens x vocabulary)
+    must not outlive the program's own reference."""
+    watch_model(llama, Watchdog(export=False, fix=fix))
+    try:
+        cache = make_prompt_cache(llama)
+        out = llama(mx.array([[1, 2, 3, 4, 5, 6]]), cache=cache)
+        held = watched_state(llama).last_output
+        assert (held is out) if fix else (held is None)
+    finally:
+        unwatch_model(llama)

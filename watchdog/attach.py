@@ -47,9 +47,12 @@ def _observed_call(self, *args, **kwargs):
     if cache is not None:
         last, state.last_output = state.last_output, None  # hold the output for one step only
         watchdog.observe(cache, last_output=last, prefill=_tokens(inputs) > 1)
+        del last
     output = state.original_class.__call__(self, *args, **kwargs)
     if cache is not None:
-        state.last_output = output
+        # Only the fix reads it (it waits until the program has evaluated its last output); held
+        # otherwise, a prefill chunk's logits (tokens x vocabulary) would stay alive a step longer.
+        state.last_output = output if watchdog.fix else None
         if state.prefill_hooks and _tokens(inputs) > 1:
             state.prefill_cache = cache  # hooks may walk the cache too; not held past this call
             try:
