@@ -53,11 +53,30 @@ def test_limit_arithmetic():
     assert seconds_from_steps(math.inf, 10.0) == math.inf
 
 
+def reference_level_cut(points):
+    """Each epoch cut after its biggest rise above the median rise, when that excess is half of
+    all the excess or more and two readings or more lie on each side: the cut part is an epoch
+    of its own."""
+    out = []
+    for epoch in dict.fromkeys(e for _, _, e in points):
+        member = [p for p in points if p[2] == epoch]
+        if len(member) >= 4:
+            rises = [b[1] - a[1] for a, b in zip(member, member[1:])]
+            typical = statistics.median(rises)
+            excess = [r - typical for r in rises]
+            k = excess.index(max(excess))
+            if excess[k] > 0 and excess[k] >= 0.5 * sum(excess) and 2 <= k + 1 <= len(member) - 2:
+                member = member[:k + 1] + [(x, y, (epoch, "cut")) for x, y, _ in member[k + 1:]]
+        out += member
+    return out
+
+
 def reference_epoch_slope(points):
     """Pairs of one epoch only; the latest epoch alone once it spans RECENT_SPAN steps."""
     latest = [p for p in points if p[2] == points[-1][2]]
     if len(latest) >= RECENT_POINTS and latest[-1][0] - latest[0][0] >= RECENT_SPAN:
         points = latest
+    points = reference_level_cut(points)
     slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1, e1) in enumerate(points)
               for x2, y2, e2 in points[i + 1:] if x2 > x1 and e1 == e2]
     return statistics.median(slopes) if slopes else None
@@ -79,3 +98,16 @@ def test_a_jump_between_epochs_is_no_growth():
     after = [(s, 5000.0, 1) for s in range(10, 20)]  # a request joined: more buffers, none growing
     assert epoch_slope(before + after) == 0.0
     assert robust_slope([(s, y) for s, y, _ in before + after]) > 0  # what pairing across epochs reads
+
+
+def test_a_level_shift_inside_an_epoch_is_no_growth():
+    """One rise between two readings (a batch filtered in place moves the level once) is not a
+    slope, whatever share of the window's pairs straddle it; steady growth keeps its slope
+    however it is read (every step, sparsely, in steps of 4, with a shift on top)."""
+    shift = [(x, 100 + (64 if x >= 50 else 0), 0) for x in range(20, 84)]  # half the pairs straddle
+    assert epoch_slope(shift) == 0.0
+    assert epoch_slope([(x, 100 + 3 * x, 0) for x in range(100)]) == 3.0
+    assert epoch_slope([(x, 100 + 3 * x, 0) for x in (0, 1, 2, 4, 8, 16, 32, 64, 110, 150, 190)]) == 3.0
+    assert epoch_slope([(x, 100 + 4 * (x // 4), 0) for x in range(64)]) == 1.0
+    assert epoch_slope([(x, 100 + 2 * x + (64 if x >= 50 else 0), 0) for x in range(20, 84)]) == 2.0
+    assert epoch_slope([(x, 5 * x, 0) for x in [*range(65), 200, 210]]) == 5.0

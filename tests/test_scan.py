@@ -94,3 +94,36 @@ def test_without_a_leak_the_exit_status_is_0_and_a_slow_family_is_stopped(capsys
 def test_bad_options_are_usage_errors(capsys):
     assert cli.main(["scan", "llama", "--paths", "plain,sideways"]) == cli.EXIT_USAGE
     assert "sideways" in capsys.readouterr().err
+
+
+def test_a_batch_that_shrinks_in_place_reads_flat_as_the_exact_count():
+    """mamba through BatchGenerator with a request joining: when the first two requests end, the
+    batch is filtered in place (the same caches: no new epoch) and the level moves once. Read at
+    every step, that step once passed for +1.08 buffers/step; the exact count stays flat."""
+    from support import exact_counter
+
+    from mlx_watchdog import tiny
+    from mlx_watchdog.attach import unwatch_model, watch_model
+    from mlx_watchdog.core import Watchdog
+
+    counter = exact_counter()
+    model = families.build("mamba")
+    model = model[0] if isinstance(model, tuple) else model
+    steps = 100
+    prompts = [p[:n] for p, n in zip(tiny.tiny_prompts(3, 11, seed=1), scan.PROMPT_LENGTHS["join"])]
+    wd = Watchdog(scan.LIMIT, export=False, overhead_budget=0.25, walk_interval=0)
+    watch_model(model, wd)
+    readings = []
+    try:
+        for step, new in enumerate(scan._steps(model, "join", prompts, steps), 1):
+            if step == scan.join_step(steps) + scan.JOIN_SETTLE:
+                wd.reset()
+            if step > steps + 3:  # only the joined request is left: the batch was filtered
+                readings.append((counter.live(), wd.forecast().buffers_per_step))
+    finally:
+        unwatch_model(model)
+    readings = readings[:-1]  # the last step: BatchGenerator drops the caches as it yields it
+    assert len(readings) >= 20
+    truth = [live for live, _ in readings]
+    assert max(truth) - min(truth) <= 4  # flat in truth (a temporary or two in flight)...
+    assert max(rate for _, rate in readings) < 0.05, readings  # ...and read flat
