@@ -13,11 +13,15 @@ hybrid) of each depth, per node and per decode step.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 
 import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paired_stats import emit  # noqa: E402
 
 
 def cost(chains: int, depth: int, repeats: int) -> float:
@@ -50,10 +54,7 @@ def main(argv=None) -> int:
         lines.append(f"| {depth} | {1e3 * seconds:.2f} | {1e6 * seconds / (2 * args.chains * depth):.2f} | "
                      f"{1e6 * seconds / depth:.1f} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit(text, args.out)
     return 0
 
 

@@ -37,7 +37,7 @@ import uuid
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_variants import (VARIANTS, add_model_arguments, interleaved, make_model, model_defaults,  # noqa: E402
                              prompts_for, revision)
-from paired_stats import STALL_FACTOR, paired_ratio, read_records, rounds_by_variant, stalls  # noqa: E402
+from paired_stats import STALL_FACTOR, emit, paired_ratio, read_records, rounds_by_variant, stalls  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -212,10 +212,7 @@ def main(argv=None) -> int:
         run = read_records(paths)
         last = [r["run"] for r in run if r.get("type") == "run"][-1:]
         text = report(paths, args.compare, run_filter=set(last))
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit(text, args.out)
     return 0
 
 

@@ -120,3 +120,11 @@ def paired_ratio(table: dict, a: str, b: str, seed: int = 0, skip: Iterable = ()
     q1, q3 = np.percentile(per_round, [25, 75])
     low, high = np.percentile(samples, [2.5, 97.5])
     return Ratio(a, b, float(ratio(np.arange(len(keys)))), float(low), float(high), len(keys), float(q3 - q1))
+
+
+def emit(text: str, out: Optional[str]) -> None:
+    """Print a report and append it to ``out`` (a results file), when given."""
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write(text + "\n")
