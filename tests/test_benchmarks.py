@@ -59,3 +59,48 @@ def test_observe_stall_benchmark_runs(capsys):
     assert observe_stall.main(["--smoke"]) == 0
     text = capsys.readouterr().out
     assert "crash scale (stall)" in text and "(= exact)" in text
+
+
+import json  # noqa: E402
+import random  # noqa: E402
+
+import paired_speed  # noqa: E402
+import paired_stats  # noqa: E402
+
+
+def test_paired_ratio_finds_a_known_slowdown_and_sets_stalls_aside():
+    """Synthetic rounds whose machine speed swings 2x: a variant 2% slower than the reference is
+    read at -2% with an interval holding it, an identical one holds 0, and a one-off stall of one
+    round is listed and left out."""
+    rng = random.Random(0)
+    table = {"unwatched": {}, "aa": {}, "slow": {}}
+    for r in range(200):
+        speed = rng.uniform(0.5, 1.0)  # the machine, the same for the whole round
+        for v, cost in (("unwatched", 1.0), ("aa", 1.0), ("slow", 1.02)):
+            table[v][("run", 0, r)] = (16, 16 * cost / speed * rng.uniform(0.99, 1.01))
+    table["aa"][("run", 0, 7)] = (16, 40.0)  # a kernel's first compile, say
+    stalls = paired_stats.stalls(table)
+    assert stalls == {("run", 0, 7): "aa"}
+    slow = paired_stats.paired_ratio(table, "slow", "unwatched", skip=stalls)
+    same = paired_stats.paired_ratio(table, "aa", "unwatched", skip=stalls)
+    assert slow.low < 1 / 1.02 < slow.high and slow.high < 1
+    assert same.low < 1 < same.high and same.within(0.01)
+    assert not slow.excludes_loss(0.01) and slow.excludes_loss(0.03)
+
+
+def test_paired_speed_writes_each_chunk_as_it_ends_and_reports_from_the_records(tmp_path, monkeypatch):
+    records = tmp_path / "chunks.jsonl"
+    monkeypatch.setattr(sys, "argv", ["paired_speed.py"])
+    assert paired_speed.main(["--model", "qwen3_next", "--layers", "4", "--steps", "24", "--chunk", "8",
+                              "--warmup", "4", "--variants", "unwatched,aa,fix", "--compare", "fix:aa",
+                              "--jsonl", str(records)]) == 0
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    chunks = [r for r in lines if r["type"] == "chunk"]
+    assert sorted((r["variant"], r["round"]) for r in chunks) == sorted(
+        (v, k) for v in ("unwatched", "aa", "fix") for k in range(3))  # 24 steps in chunks of 8
+    assert all(r["tokens"] == 8 * 2 and r["seconds"] > 0 for r in chunks)  # batch of 2
+    ends = {r["variant"]: r for r in lines if r["type"] == "end"}
+    assert all(e["identical"] for e in ends.values())
+    assert ends["fix"]["retained_at_end"] < ends["unwatched"]["retained_at_end"]  # the fix cut the leak
+    text = paired_speed.report([str(records)], [])
+    assert "| fix | aa |" in text and "| fix | unwatched |" in text  # --compare kept in the record
