@@ -111,3 +111,14 @@ def test_a_level_shift_inside_an_epoch_is_no_growth():
     assert epoch_slope([(x, 100 + 4 * (x // 4), 0) for x in range(64)]) == 1.0
     assert epoch_slope([(x, 100 + 2 * x + (64 if x >= 50 else 0), 0) for x in range(20, 84)]) == 2.0
     assert epoch_slope([(x, 5 * x, 0) for x in [*range(65), 200, 210]]) == 5.0
+
+
+def test_describe_says_when_the_limit_comes_or_that_it_does_not():
+    from mlx_watchdog.forecast import Forecast
+
+    flat = Forecast(step=10, resident_buffers=100, limit=1000, buffers_per_step=0.0,
+                    steps_to_limit=math.inf, seconds_to_limit=math.inf)
+    assert "the limit is not approached" in flat.describe() and "never" not in flat.describe()
+    rising = Forecast(step=10, resident_buffers=100, limit=1000, buffers_per_step=5.0,
+                      steps_to_limit=steps_to_limit(100, 1000, 5.0), seconds_to_limit=18.0)
+    assert "limit in 180 steps (18 s)" in rising.describe()

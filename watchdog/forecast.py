@@ -69,10 +69,11 @@ class Forecast:
             return (f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, "
                     "growth not measured yet")
         idle = "" if self.decoding else "; not decoding now"
+        when = ("the limit is not approached" if math.isinf(self.steps_to_limit) else
+                f"limit in {_fmt(self.steps_to_limit)} steps ({_fmt(self.seconds_to_limit)} s)")
         return (
             f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, "
-            f"{self.buffers_per_step:+.3g}/step, limit in {_fmt(self.steps_to_limit)} steps "
-            f"({_fmt(self.seconds_to_limit)} s){idle}; leak sites: {top}"
+            f"{self.buffers_per_step:+.3g}/step, {when}{idle}; leak sites: {top}"
         )
 
 
