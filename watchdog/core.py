@@ -247,9 +247,7 @@ class Watchdog:
         except Exception as exc:
             self._internal_error("observe", exc)
         finally:
-            spent = time.perf_counter() - start
-            self.overhead_seconds += spent
-            self._schedule.spent += spent
+            self._charge(start)
 
     def generation_ended(self) -> None:
         """Say that nothing steps for now (a generation ended, a server has no request): the
@@ -272,9 +270,7 @@ class Watchdog:
         except Exception as exc:
             self._internal_error("generation_ended", exc)
         finally:
-            spent = time.perf_counter() - start
-            self.overhead_seconds += spent
-            self._schedule.spent += spent
+            self._charge(start)
 
     def forecast(self) -> fc.Forecast:
         """The current forecast (thread-safe; cheap: no graph walk)."""
@@ -591,6 +587,12 @@ class Watchdog:
         # A slow decode (a big model on a slow host) is not idle between its steps.
         self._idle_after = max(IDLE_SECONDS, 8 * (t1 - t0) / (s1 - s0))
         return (s1 - s0) / (t1 - t0)
+
+    def _charge(self, start: float) -> None:
+        """The watchdog's own time since ``start``: in its overhead and against its budget."""
+        spent = time.perf_counter() - start
+        self.overhead_seconds += spent
+        self._schedule.spent += spent
 
     def _internal_error(self, where: str, exc: BaseException) -> None:
         with self._lock:
