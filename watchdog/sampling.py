@@ -22,7 +22,7 @@ from . import forecast, graph
 from .graph import TooDeep, account, deep_walker, is_evaluated
 from .introspect import Found
 
-STALL_SECONDS = 0.04  # what one reading may block the decode for, when it can be kept to it
+STALL_SECONDS = 0.04  # CPU time one reading may block the decode for, when it can be kept to it
 INITIAL_SECONDS_PER_NODE = 4e-6  # until measured on this machine
 
 
@@ -35,8 +35,10 @@ class Reading:
     retained: list[float]  # evaluated buffers kept alive by each array's pending graph
     nodes: list[float]
     walked: int  # pending arrays whose graphs were walked (the rest are estimated)
-    seconds: float
+    seconds: float  # wall time of the reading
     walked_indices: Optional[set] = None  # which of them, when not all
+
+    cpu_seconds: float = 0.0  # its CPU time (graph.cpu_clock): what sizes the next readings
 
     @property
     def pending_arrays(self) -> int:
@@ -99,7 +101,7 @@ class Sampler:
 
     def read(self, found: Sequence[Found], step: int, root_keys: Sequence[Any] = ()) -> Reading:
         """``root_keys[f.root]`` names each root while it lives (an array's path is relative to it)."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), graph.cpu_clock()
         self._root_keys = list(root_keys)
         limit = self.max_nodes
         predicted = self.predicted_nodes(step)
@@ -114,6 +116,7 @@ class Sampler:
         else:
             reading = self._read_sample(found, step, predicted, limit)
         reading.seconds = time.perf_counter() - started
+        reading.cpu_seconds = graph.cpu_clock() - cpu_started
         self._learn(reading, step)
         return reading
 
@@ -253,8 +256,10 @@ class Sampler:
         self._sizes = sizes
         walked_nodes = reading.pending_nodes if walked is None else sum(reading.nodes[i] for i in walked)
         work = walked_nodes + len(reading.found)
-        if work >= 1000 and reading.seconds > 0:  # small walks are dominated by fixed costs
-            measured = reading.seconds / work
+        # CPU time, not wall time: a walk that waited for a core on a loaded machine would
+        # shrink the next ones to samples, which misread a batch that just changed (graph.cpu_clock).
+        if work >= 1000 and reading.cpu_seconds > 0:  # small walks are dominated by fixed costs
+            measured = reading.cpu_seconds / work
             self.seconds_per_node = 0.5 * self.seconds_per_node + 0.5 * measured
 
 
