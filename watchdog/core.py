@@ -562,6 +562,7 @@ class Watchdog:
         self._growth = Growth()
         self._last = dataclasses.replace(self._last, step=self.steps)  # nothing is extrapolated past it
         self._fixer.reset(self.steps)
+        self._sampler.forget()  # what it walked before names other arrays now
         self._empty_walks = 0
 
     def _resident_now(self, step: int) -> float:

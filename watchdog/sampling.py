@@ -1,15 +1,25 @@
 """How much of the graph one reading walks: all of it when that is quick, a sample when not.
 
-A walk costs ~3 us per pending node on these CPUs (measured: 47 chains of 10,000 nodes took
-3.1 s in one export) and cannot be cut short once started. So before a reading the size of
+A walk costs ~3 us of CPU per pending node on these CPUs (measured: 47 chains of 10,000 nodes
+took 3.1 s in one export) and cannot be cut short once started. So before a reading the size of
 each site's pending graphs is predicted from the last readings. When the prediction fits in
 ``STALL_SECONDS``, one export of every array reads them exactly. When it does not, the reading
 exports every evaluated array and, of each site's pending arrays, only as many as fit, in turn
-from one reading to the next. Each other pending array of a site is counted as its own last
-walked size, grown since as the walked ones of its site grew (the arrays of one site are one
-attribute of layers built by the same code, so their chains grow alike, though not from the same
-size: mlx-lm's first layer's left_padding stays short, and a walk attributes a part two chains
-share to the first of them). The walked ones rotate, so none goes unread for long.
+from one reading to the next, so none goes unread for long.
+
+Each array not walked is read as its own last walk plus what its site gained since
+(``_SiteClock``). The arrays of a site are one attribute of layers built by the same code, so
+between readings they gain alike: a node a step, and at once the gather or concatenation of a
+batch that changes (a request leaving, one joining). A gain, unlike a rate, carries a batch's
+change to arrays walked at other steps. The clock is the site's longest chain, walked at every
+reading; gains of arrays walked at other readings would carry those readings' errors along.
+Some arrays take no steps: qwen3_next's mask evaluates the first layer's left_padding each step.
+One seen to gain less than a quarter of its site over 16 steps is read as it was. Arrays never
+walked (a new request's caches) are like those of their own cache walked now.
+
+A buffer that several arrays' graphs share (the index array of a gather over all layers) is
+counted once by a walk of all of them, but by each array walked alone: samples read high by
+that, not low.
 """
 
 from __future__ import annotations
@@ -24,6 +34,9 @@ from .introspect import Found
 
 STALL_SECONDS = 0.04  # CPU time one reading may block the decode for, when it can be kept to it
 INITIAL_SECONDS_PER_NODE = 4e-6  # until measured on this machine
+STILL_SHARE = 0.25  # an array that gained less than this share of its site's gain is still...
+STILL_TELL_STEPS = 16  # ...over at least these steps between two of its walks
+MIN_SITE_GAIN = 2.0  # ...and at least this gain of its site
 
 
 @dataclasses.dataclass
@@ -63,7 +76,7 @@ class Reading:
 
 @dataclasses.dataclass
 class _SiteSize:
-    """One site's pending arrays at the last reading, per array, and how fast they grew."""
+    """One site's pending arrays at the last reading, per array, and how fast they grow."""
 
     nodes: float
     retained: float
@@ -78,15 +91,72 @@ class _SiteSize:
         return self.nodes + self.nodes_growth * ahead, self.retained + self.retained_growth * ahead
 
 
+class _SiteClock:
+    """What a pending array of one site has gained, summed over the readings: (retained, nodes).
+
+    The arrays of a site are one attribute of layers built by the same code: between two
+    readings they gain alike (a step's node, the gather or concatenation of a batch change),
+    though from different sizes (mlx-lm's first left_padding stays short). So an array not walked
+    now is read as its own last walk plus what the clock gained since. The clock is the site's
+    reference array, walked at every reading: no estimate feeds it."""
+
+    RATE_MARKS = 8  # the recent marks whose slopes give the rate
+
+    def __init__(self) -> None:
+        self.marks: dict[int, tuple[float, float]] = {}  # step -> gained by then
+
+    def gained(self, step: int) -> Optional[tuple[float, float]]:
+        return self.marks.get(step)
+
+    def advance(self, step: int, mark: Optional[tuple[float, float]]) -> tuple[float, float]:
+        """Mark ``step`` (None: no reference was walked, so as fast as it went)."""
+        if mark is None:
+            last = max(self.marks, default=None)
+            before = (0.0, 0.0) if last is None else self.marks[last]
+            rate = self.rate()
+            ahead = 0 if last is None else step - last
+            mark = (before[0] + rate[0] * ahead, before[1] + rate[1] * ahead)
+        self.marks[step] = mark
+        return mark
+
+    def rate(self) -> tuple[float, float]:
+        """Per step, the median slope between the recent marks (a batch change's jump is one)."""
+        steps = sorted(self.marks)[-self.RATE_MARKS:]
+        slopes = [((self.marks[b][0] - self.marks[a][0]) / (b - a), (self.marks[b][1] - self.marks[a][1]) / (b - a))
+                  for a, b in zip(steps, steps[1:])]
+        if not slopes:
+            return 0.0, 0.0
+        return max(0.0, _median([r for r, _ in slopes])), max(0.0, _median([n for _, n in slopes]))
+
+    def since(self, then: int, now: int) -> tuple[float, float]:
+        """What the site gained from ``then`` to ``now`` (both marked)."""
+        a, b = self.marks[then], self.marks[now]
+        return b[0] - a[0], b[1] - a[1]
+
+    def prune(self, keep: set) -> None:
+        recent = set(sorted(self.marks)[-self.RATE_MARKS:])
+        self.marks = {step: mark for step, mark in self.marks.items() if step in keep or step in recent}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
 class Sampler:
     """Reads found arrays exactly or by sample, and learns what a node costs here."""
 
-    def __init__(self, stall_seconds: float = STALL_SECONDS) -> None:
-        self.stall_seconds = stall_seconds
+    def __init__(self, stall_seconds: Optional[float] = None) -> None:
+        self.stall_seconds = STALL_SECONDS if stall_seconds is None else stall_seconds
         self.seconds_per_node = INITIAL_SECONDS_PER_NODE
         self._sizes: dict[str, _SiteSize] = {}
+        self._clocks: dict[str, _SiteClock] = {}
         self._turn = 0  # rotates the sampled arrays of each site
-        self._walked: dict[tuple, tuple[float, float, int]] = {}  # key -> (retained, nodes, step) of its last walk
+        # key -> (retained, nodes, step, still, base) of its last walk; still: seen not to take its
+        # site's steps (the program evaluates it, as qwen3_next's mask does the first layer's
+        # left_padding); base: (retained, step) of the walk that was told from
+        self._walked: dict[tuple, tuple] = {}
         self._root_keys: list = []
 
     @property
@@ -150,7 +220,9 @@ class Sampler:
         return Reading(list(found), evaluated, retained, nodes, len(firsts), 0.0, firsts)
 
     def forget(self) -> None:
+        """Another decode: what was walked before names other arrays now."""
         self._sizes.clear()
+        self._clocks.clear()
         self._walked.clear()
 
     # ------------------------------------------------------------------ readings
@@ -162,25 +234,35 @@ class Sampler:
 
     def _read_sample(self, found: Sequence[Found], step: int, predicted: float, limit: int) -> Reading:
         evaluated = [is_evaluated(f.array) for f in found]
-        by_site: dict[str, list[int]] = {}  # pending arrays of sites whose size is known, per site
-        chosen: list[int] = []  # pending arrays of a site never walked: walked now, nothing else tells
+        # Pending arrays by site, in turn; those never walked (a request's new caches), by site and
+        # root: their sizes are not their site's, and a root's are alike. A site never seen is walked whole.
+        groups: dict[tuple[str, Optional[int]], list[int]] = {}
+        chosen: list[int] = []
         for i, done in enumerate(evaluated):
             if not done:
-                if found[i].site in self._sizes or self._key(found[i]) in self._walked:
-                    by_site.setdefault(found[i].site, []).append(i)
+                site, known = found[i].site, self._history(found[i]) is not None
+                if known or site in self._sizes:
+                    groups.setdefault((site, None if known else found[i].root), []).append(i)
                 else:
                     chosen.append(i)
+        references: dict[str, int] = {}
         share = limit / predicted  # of each site's pending arrays, this many walk
         self._turn += 1
-        for site, indices in by_site.items():
+        for (site, root), indices in groups.items():
+            if root is None:  # walked before: its site's reference every time, the others in turn
+                reference = references[site] = self._reference(found, indices)
+                chosen.append(reference)
+                indices = [i for i in indices if i != reference]
+                if not indices:
+                    continue
             k = min(len(indices), max(1, int(len(indices) * share)))
             start = (self._turn * k) % len(indices)
             chosen.extend(indices[(start + j) % len(indices)] for j in range(k))
         walked_set = set(chosen)
         # Evaluated arrays go in too (one line each): a pending graph that reads one of them
         # then names it as ours, and it is not counted twice.
-        order = [i for i, done in enumerate(evaluated) if done] + chosen
-        deepest = max((self._sizes[site].at(step)[0] for site in by_site if site in self._sizes), default=0.0)
+        order = [i for i, done in enumerate(evaluated) if done] + sorted(chosen)
+        deepest = max((self._sizes[site].at(step)[0] for site, _ in groups if site in self._sizes), default=0.0)
         try:
             graph = account([found[i].array for i in order], nodes_hint=int(deepest))
         except TooDeep:  # a single chain deeper than any stack here: leave it to the estimate
@@ -192,67 +274,105 @@ class Sampler:
         for position, i in enumerate(order):
             retained[i] = float(graph.retained_by_array[position])
             nodes[i] = float(graph.nodes_by_array[position])
-        for site, indices in by_site.items():
+        pending_by_site: dict[str, list[int]] = {}
+        for i, done in enumerate(evaluated):
+            if not done:
+                pending_by_site.setdefault(found[i].site, []).append(i)
+        for site, indices in pending_by_site.items():
             walked = [i for i in indices if i in walked_set]
+            now = self._tick(site, step, found, references.get(site), retained, nodes)
             size = self._sizes.get(site)
-            if walked:
-                mean = (sum(retained[i] for i in walked) / len(walked), sum(nodes[i] for i in walked) / len(walked))
-            else:  # nothing of it could be walked: its last size, grown as it was growing
-                mean = (0.0, 0.0) if size is None else size.at(step)[::-1]
-            # How the walked ones grew since their own last walks, per step.
-            grown = [g for g in (self._growth(found[i], retained[i], nodes[i], step) for i in walked) if g is not None]
-            if grown:
-                growth = (sum(g[0] for g in grown) / len(grown), sum(g[1] for g in grown) / len(grown))
-            else:
-                growth = (0.0, 0.0) if size is None else (size.retained_growth, size.nodes_growth)
             for i in indices:
                 if i in walked_set:
                     continue
-                last = self._walked.get(self._key(found[i]))
-                if last is None:  # never walked: like the walked ones of its site
-                    retained[i], nodes[i] = mean
-                else:  # its own last walk, grown as the walked ones grew
-                    ahead = step - last[2]
-                    retained[i] = max(0.0, last[0] + growth[0] * ahead)
-                    nodes[i] = max(0.0, last[1] + growth[1] * ahead)
+                last = self._history(found[i])
+                if last is not None:  # its own last walk, and what its site gained since (still: none)
+                    gain = (0.0, 0.0) if last[3] else self._clocks[site].since(last[2], step)
+                    retained[i] = max(0.0, last[0] + gain[0])
+                    nodes[i] = max(0.0, last[1] + gain[1])
+                    continue
+                # Never walked: like those of its root walked now, or else like its site.
+                like = [j for j in walked if found[j].root == found[i].root and self._history(found[j]) is None] or walked
+                if like:
+                    retained[i] = sum(retained[j] for j in like) / len(like)
+                    nodes[i] = sum(nodes[j] for j in like) / len(like)
+                elif size is not None:
+                    nodes[i], retained[i] = size.at(step)
         return Reading(list(found), evaluated, retained, nodes, len(walked_set), 0.0, walked_set)
 
     def _key(self, f: Found) -> tuple:
         """An array's name across readings: its root (by identity, while it lives) and its path."""
         return (self._root_keys[f.root] if f.root < len(self._root_keys) else f.root, f.path)
 
-    def _growth(self, f: Found, retained: float, nodes: float, step: int) -> Optional[tuple[float, float]]:
+    def _history(self, f: Found) -> Optional[tuple]:
+        """Its last walk (retained, nodes, step, still, base), when its site's clock has a mark then."""
         last = self._walked.get(self._key(f))
-        if last is None or step <= last[2]:
+        clock = self._clocks.get(f.site)
+        if last is None or clock is None or clock.gained(last[2]) is None or clock.gained(last[4][1]) is None:
             return None
-        return (retained - last[0]) / (step - last[2]), (nodes - last[1]) / (step - last[2])
+        return last
+
+    def _reference(self, found: Sequence[Found], indices: list[int]) -> int:
+        """The site's longest chain at the last walks: walked at every reading, it is the site's
+        clock. (A layer the program evaluates stays short: its gains are not the site's.)"""
+        return max(indices, key=lambda i: (not self._walked[self._key(found[i])][3], self._walked[self._key(found[i])][0]))
+
+    def _tick(self, site: str, step: int, found: Sequence[Found], reference: Optional[int],
+              retained: list[float], nodes: list[float]) -> tuple[float, float]:
+        """Move the site's clock to ``step`` by what its reference gained since its last walk;
+        returns the mark. (Gains of arrays walked at other readings would carry the errors of
+        those readings' marks along: measured, two arrays walked in turn kept their marks 3 apart
+        for good.)"""
+        clock = self._clocks.setdefault(site, _SiteClock())
+        if clock.gained(step) is not None:
+            return clock.gained(step)
+        mark = None
+        last = None if reference is None else self._history(found[reference])
+        if last is not None and last[2] < step:
+            then = clock.gained(last[2])
+            mark = (then[0] + retained[reference] - last[0], then[1] + nodes[reference] - last[1])
+        return clock.advance(step, mark)
 
     def _learn(self, reading: Reading, step: int) -> None:
         walked = reading.walked_indices
-        history = {}  # only the arrays found now: the others' roots or paths are gone
-        for i, (f, done) in enumerate(zip(reading.found, reading.evaluated)):
-            if done:
-                continue
-            key = self._key(f)
-            if walked is None or i in walked:
-                history[key] = (reading.retained[i], reading.nodes[i], step)
-            elif key in self._walked:
-                history[key] = self._walked[key]
-        self._walked = history
-        per_site: dict[str, list[tuple[float, float]]] = {}
-        for f, done, n, r in zip(reading.found, reading.evaluated, reading.nodes, reading.retained):
+        per_site: dict[str, list[int]] = {}
+        for i, done in enumerate(reading.evaluated):
             if not done:
-                per_site.setdefault(f.site, []).append((n, r))
+                per_site.setdefault(reading.found[i].site, []).append(i)
+        for site, indices in per_site.items():  # readings of every array tick here (samples did already)
+            known = [i for i in indices if self._history(reading.found[i]) is not None]
+            reference = self._reference(reading.found, known) if known and walked is None else None
+            self._tick(site, step, reading.found, reference, reading.retained, reading.nodes)
+        history = {}  # only the arrays found now: the others' roots or paths are gone
+        for site, indices in per_site.items():
+            clock = self._clocks[site]
+            for i in indices:
+                key = self._key(reading.found[i])
+                if walked is None or i in walked:
+                    last = self._history(reading.found[i])
+                    still, base = (False, (reading.retained[i], step)) if last is None else (last[3], last[4])
+                    # Told over many steps, where the steps' gain outweighs a batch change's (that
+                    # one moves every array of the site, still ones too): from a base walk that
+                    # many steps back, kept while walks come closer together.
+                    if last is not None and step - base[1] >= STILL_TELL_STEPS:
+                        site_gain = clock.since(base[1], step)[0]
+                        if site_gain >= MIN_SITE_GAIN:
+                            still = reading.retained[i] - base[0] < STILL_SHARE * site_gain
+                        base = (reading.retained[i], step)
+                    history[key] = (reading.retained[i], reading.nodes[i], step, still, base)
+                elif key in self._walked:
+                    history[key] = self._walked[key]
+        self._walked = history
+        used = {last[2] for last in history.values()} | {last[4][1] for last in history.values()}
+        self._clocks = {site: clock for site, clock in self._clocks.items() if site in per_site}
         sizes = {}
-        for site, values in per_site.items():
-            nodes = sum(n for n, _ in values) / len(values)
-            retained = sum(r for _, r in values) / len(values)
-            before = self._sizes.get(site)
-            nodes_growth = retained_growth = 0.0
-            if before is not None and step > before.step:
-                nodes_growth = max(0.0, (nodes - before.nodes) / (step - before.step))
-                retained_growth = max(0.0, (retained - before.retained) / (step - before.step))
-            sizes[site] = _SiteSize(nodes, retained, step, nodes_growth, retained_growth, len(values))
+        for site, indices in per_site.items():
+            clock = self._clocks[site]
+            clock.prune(used)
+            retained_growth, nodes_growth = clock.rate()
+            nodes = sum(reading.nodes[i] for i in indices) / len(indices)
+            retained = sum(reading.retained[i] for i in indices) / len(indices)
+            sizes[site] = _SiteSize(nodes, retained, step, nodes_growth, retained_growth, len(indices))
         self._sizes = sizes
         walked_nodes = reading.pending_nodes if walked is None else sum(reading.nodes[i] for i in walked)
         work = walked_nodes + len(reading.found)
