@@ -280,7 +280,7 @@ class Sampler:
                 pending_by_site.setdefault(found[i].site, []).append(i)
         for site, indices in pending_by_site.items():
             walked = [i for i in indices if i in walked_set]
-            now = self._tick(site, step, found, references.get(site), retained, nodes)
+            self._tick(site, step, found, references.get(site), retained, nodes)  # marks this step: the gains below are read from it
             size = self._sizes.get(site)
             for i in indices:
                 if i in walked_set:
