@@ -17,12 +17,15 @@ around each forward pass differs:
 * ``wrapped``         diagnostic: ``watch_model`` with an observe() that does nothing (the model
                       wrapper's own cost)
 * ``nowalk``          diagnostic: ``watched`` with walks switched off (observe()'s per-step bookkeeping)
+* ``subclass``        diagnostic: the model's instance given a subclass of its class that overrides
+                      nothing (what a per-instance class costs, without watch_model's ``__call__``)
 
 Needs only mlx, mlx-lm, numpy and mlx_watchdog (no prometheus/psutil/rich).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import math
@@ -43,7 +46,7 @@ from mlx_watchdog.introspect import find_arrays
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
 VARIANTS = ("unwatched", "aa", "handfix", "every256", "async16", "watched", "fix", "fix4", "fix16", "fixlow",
-            "wrapped", "nowalk")
+            "wrapped", "nowalk", "subclass")
 LOW_BUDGET = 0.0025  # walk budget of ``fixlow`` (the default is 0.01)
 
 
@@ -195,10 +198,15 @@ def watchdog_for(variant: str) -> Optional[Watchdog]:
 
 class Decode:
     """One variant's decode, advanced a chunk of steps at a time so the variants can take
-    turns on the machine. All variants share one model object: ``attach`` gives it the
-    variant's watchdog (or none) before each chunk."""
+    turns on the machine.
+
+    Each variant decodes through its own shallow copy of the model: the layers and weights are
+    shared, the top-level object is its own, so a watched variant is attached once, as a program
+    attaches it. (Before, the variants took turns on one object by swapping its class, so only
+    the watched variants changed class at every turn.)"""
 
     def __init__(self, model, variant: str, path: str, prompts: list[list[int]], steps: int):
+        model = copy.copy(model)  # the top-level object only
         self.model, self.variant, self.path = model, variant, path
         self.wd = watchdog_for(variant)
         if variant == "handfix":
@@ -207,11 +215,16 @@ class Decode:
             self.fn = EvalCacheWrapper(model, 256)
         elif variant == "async16":
             self.fn = AsyncEvalCacheWrapper(model, 16)
+        elif variant == "subclass":
+            original = type(model)
+            model.__class__ = type(original.__name__, (original,), {"__slots__": (), "__module__": original.__module__})
+            self.fn = model
         elif variant in ("unwatched", "aa") or self.wd is not None:
             self.fn = model
         else:
             raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
-        self.attach()
+        if self.wd is not None:
+            watch_model(model, self.wd)
         if path == "plain":
             self.cache = make_prompt_cache(model)
             self.outputs = [[]]
@@ -233,21 +246,6 @@ class Decode:
         self.gc_seconds = 0.0
         self.overhead0 = self.wd.overhead_seconds if self.wd else None
 
-    def attach(self) -> None:
-        """Give the shared model this variant's class. A program attaches ``watch_model`` once;
-        re-attaching every turn would make a new watching subclass every step (a new type: its
-        attribute caches start cold), which this benchmark would then charge to the watchdog.
-        So each watched variant keeps the subclass of its first attachment and takes turns by
-        swapping ``__class__``, as unwatched turns do with the original class (benchmark only)."""
-        if self.wd is None:
-            unwatch_model(self.model)
-        elif getattr(self, "_watching_class", None) is None:
-            unwatch_model(self.model)
-            watch_model(self.model, self.wd)
-            self._watching_class = type(self.model)
-        else:
-            self.model.__class__ = self._watching_class
-
     def advance(self, steps: int) -> int:
         """Decode ``steps`` steps; returns the tokens produced."""
         produced = 0
@@ -268,7 +266,6 @@ class Decode:
         """Decode ``steps`` steps, timed. ``sync``: wait for the device at the end, so the chunk
         pays its own device work; without it (steps interleaved one by one, see paired_speed.py)
         a step's time is the host's work for it, which is what a host-bound decode runs at."""
-        self.attach()
         self._resume_clock()
         start, cpu_start, gc_start = time.perf_counter(), time.process_time(), GC_CLOCK.seconds
         produced = self.advance(steps)

@@ -15,6 +15,12 @@
 #            watched without the fix) and the per-node cost of evaluating the chains
 #   steady   the leak-free llama (48 layers, hidden 2048, bf16) through generate_step, 2 x 2,500
 #            steps: unwatched, A/A, watched, fix, taking one-step turns (~4 minutes)
+#   wrapper  steady's model and design with the wrapper taken apart: a per-instance subclass
+#            that overrides nothing, watch_model with an observe() that does nothing, watched,
+#            fix (~7 minutes)
+#   profile  py-spy (PY_SPY: its binary) samples, alone, 1,000 steps of the leaking hybrid with
+#            the fix and unwatched, and 2,500 steps of the llama watched and unwatched; collapsed
+#            stacks go to $OUT/profile-<model>-<variant>.txt (~5 minutes)
 # Merge calls: python benchmarks/paired_speed.py --report $OUT/long.jsonl other/long.jsonl
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the results}"
@@ -37,5 +43,14 @@ case "$PART" in
     bench "${QWEN[@]}" --steps 1200 --chunk 16 --variants unwatched,aa,fix,async16,watched \
       --compare fix:async16,fix:watched ;;
   steady) bench "${LLAMA[@]}" --steps 2500 --reps 2 --chunk 25 --interleave-steps --variants unwatched,aa,watched,fix ;;
-  *) echo "unknown part $PART (long|diag|steady)" >&2; exit 2 ;;
+  wrapper) bench "${LLAMA[@]}" --steps 2500 --reps 2 --chunk 25 --interleave-steps \
+             --variants unwatched,aa,subclass,wrapped,watched,fix --compare wrapped:subclass,watched:wrapped ;;
+  profile)
+    : "${PY_SPY:?set PY_SPY to the py-spy binary}"
+    prof() { local name=$1; shift
+      "$PY_SPY" record -r 250 -f raw -o "$OUT/profile-$name.txt" -- "$PY" benchmarks/profile_decode.py "$@" \
+        > "$OUT/profile-$name.log" 2>&1 || echo "py-spy failed for $name (see $OUT/profile-$name.log)"; tail -1 "$OUT/profile-$name.log"; }
+    for v in fix unwatched; do prof "qwen3_next-$v" "${QWEN[@]}" --steps 1000 --variant "$v"; done
+    for v in watched unwatched; do prof "llama-$v" "${LLAMA[@]}" --steps 2500 --variant "$v"; done ;;
+  *) echo "unknown part $PART (long|diag|steady|wrapper|profile)" >&2; exit 2 ;;
 esac
