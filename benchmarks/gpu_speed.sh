@@ -18,9 +18,10 @@
 #   wrapper  steady's model and design with the wrapper taken apart: a per-instance subclass
 #            that overrides nothing, watch_model with an observe() that does nothing, watched,
 #            fix (~7 minutes)
-#   profile  py-spy (PY_SPY: its binary) samples, alone, 1,000 steps of the leaking hybrid with
+#   profile  py-spy (PY_SPY: its binary) samples, alone, 600 steps of the leaking hybrid with
 #            the fix and unwatched, and 2,500 steps of the llama watched and unwatched; collapsed
-#            stacks go to $OUT/profile-<model>-<variant>.txt (~5 minutes)
+#            stacks go to $OUT/profile-<model>-<variant>.txt.gz, their summary (profile_report.py)
+#            to .md (~6 minutes)
 # Merge calls: python benchmarks/paired_speed.py --report $OUT/long.jsonl other/long.jsonl
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the results}"
@@ -48,9 +49,11 @@ case "$PART" in
   profile)
     : "${PY_SPY:?set PY_SPY to the py-spy binary}"
     prof() { local name=$1; shift
-      "$PY_SPY" record -r 250 -f raw -o "$OUT/profile-$name.txt" -- "$PY" benchmarks/profile_decode.py "$@" \
-        > "$OUT/profile-$name.log" 2>&1 || echo "py-spy failed for $name (see $OUT/profile-$name.log)"; tail -1 "$OUT/profile-$name.log"; }
-    for v in fix unwatched; do prof "qwen3_next-$v" "${QWEN[@]}" --steps 1000 --variant "$v"; done
+      "$PY_SPY" record -r 250 --nolineno -f raw -o "$OUT/profile-$name.txt" -- "$PY" benchmarks/profile_decode.py "$@" \
+        > "$OUT/profile-$name.log" 2>&1 || echo "py-spy failed for $name (see $OUT/profile-$name.log)"
+      "$PY" benchmarks/profile_report.py "$OUT/profile-$name.txt" > "$OUT/profile-$name.md"
+      gzip -f "$OUT/profile-$name.txt"; grep -v "^py-spy" "$OUT/profile-$name.log" | tail -1; }
+    for v in fix unwatched; do prof "qwen3_next-$v" "${QWEN[@]}" --steps 600 --variant "$v"; done
     for v in watched unwatched; do prof "llama-$v" "${LLAMA[@]}" --steps 2500 --variant "$v"; done ;;
   *) echo "unknown part $PART (long|diag|steady|wrapper|profile)" >&2; exit 2 ;;
 esac
