@@ -374,9 +374,11 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int = 0) -> list[list
 
 
 def revision() -> str:
-    """The project's git commit (+ "dirty" when the tree has changes), where git can tell; else
-    $MLX_WATCHDOG_REVISION (a copy of the tree without its .git, as on a lent GPU machine)."""
-    fallback = os.environ.get("MLX_WATCHDOG_REVISION", "(no git)")
+    """$MLX_WATCHDOG_REVISION when set (a copy of the tree, as on a lent GPU machine); else the
+    project's git commit (+ "dirty" when the tree has changes), where git can tell."""
+    if os.environ.get("MLX_WATCHDOG_REVISION"):  # said by whoever copied the tree (a copy's .git may be stale)
+        return os.environ["MLX_WATCHDOG_REVISION"]
+    fallback = "(no git)"
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
