@@ -249,13 +249,15 @@ class Sampler:
         share = limit / predicted  # of each site's pending arrays, this many walk
         self._turn += 1
         for (site, root), indices in groups.items():
+            quota = int(len(indices) * share)
             if root is None:  # walked before: its site's reference every time, the others in turn
                 reference = references[site] = self._reference(found, indices)
                 chosen.append(reference)
                 indices = [i for i in indices if i != reference]
+                quota -= 1
                 if not indices:
                     continue
-            k = min(len(indices), max(1, int(len(indices) * share)))
+            k = min(len(indices), max(1, quota))
             start = (self._turn * k) % len(indices)
             chosen.extend(indices[(start + j) % len(indices)] for j in range(k))
         walked_set = set(chosen)
