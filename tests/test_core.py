@@ -274,10 +274,11 @@ def fake_decode(wd, cache, clock, steps):
 
 
 def use_clock(monkeypatch, clock):
-    from mlx_watchdog import sampling
+    from mlx_watchdog import graph, sampling
 
     monkeypatch.setattr(core, "time", clock)
     monkeypatch.setattr(sampling, "time", clock)
+    monkeypatch.setattr(graph, "cpu_clock", clock.perf_counter)  # walks on this clock work all along
 
 
 def charge_walks(monkeypatch, clock, cost):
@@ -346,6 +347,34 @@ def test_dear_walks_are_spaced_to_a_thousandth_of_decode_time(monkeypatch):
     gaps = {b - a for a, b in zip(later, later[1:])}
     assert gaps and gaps <= {249, 250, 251}, gaps  # 3.9 s of decode at 1/64 s per step
     assert wd.forecast().buffers_per_step == pytest.approx(1.0)
+
+
+def test_a_walk_that_waited_for_a_core_does_not_space_out_the_next(monkeypatch):
+    # On a loaded machine a walk's wall time includes the time it waited for a core (measured
+    # beside two busy processes: up to 3.9x its CPU time). One 50 ms wait must not push the next
+    # walk 50 s of decode away (a thousandth of decode, sized by wall time), blinding the watchdog.
+    from mlx_watchdog import sampling
+
+    clock = FakeClock()
+    monkeypatch.setattr(core, "time", clock)
+    monkeypatch.setattr(sampling, "time", clock)  # the CPU clock stays real: the walks cost little
+    calls = []
+    real_account = sampling.account
+
+    def descheduled_once(arrays, **options):
+        calls.append(len(calls))
+        if len(calls) == len(schedule.DENSE_OFFSETS) + 2:  # a walk after the dense ones
+            clock.now += 0.05  # wall time, no work
+        return real_account(arrays, **options)
+
+    monkeypatch.setattr(sampling, "account", descheduled_once)
+    wd = Watchdog(limit=10**6, export=False)
+    walked_at = fake_decode(wd, ScalarCache(), clock, 1000)
+    later = walked_at[len(schedule.DENSE_OFFSETS):]
+    assert len(calls) > len(schedule.DENSE_OFFSETS) + 2, (calls, walked_at)
+    # 0.5 s of decode (32 steps), or a thousandth of decode per walk's real CPU time (~0.5-1 ms
+    # here); sized by the 50 ms wait it would be 50 s (3,200 steps: no walk after it here).
+    assert later[-1] > 900 and max(b - a for a, b in zip(later, later[1:])) <= 160, walked_at
 
 
 def test_many_short_decodes_share_one_budget(monkeypatch):

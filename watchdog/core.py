@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from . import forecast as fc
+from . import graph
 from .actions import ResourceLimitForecast, Warnings, remedy
 from .attribution import Attribution
 from .fix import Fixer, evaluated_output, resolvable, schedule_evaluation
@@ -416,7 +417,7 @@ class Watchdog:
     def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[tuple[str, mx.array]]:
         """Read every live cache (``roots`` and the others; None: no roots, only the caches
         followed); returns the roots' arrays found pending, with their sites."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), graph.cpu_clock()
         others = self._scope.others() if roots is not None else self._scope.members()
         roots = () if roots is None else roots
         result = scan_all([(roots, "")] + [(c, f"<{type_name(c)}#{k}>") for k, c in enumerate(others)],
@@ -478,8 +479,7 @@ class Watchdog:
             self.walks += 1
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
         self._attribution.consider(self._growth.leaks, found, [roots] + others)
-        cost = time.perf_counter() - t0
-        self._schedule.walked(step, cost)
+        self._schedule.walked(step, time.perf_counter() - t0, graph.cpu_clock() - cpu0)
         if self.on_forecast is not None:
             try:
                 self.on_forecast(self.forecast())

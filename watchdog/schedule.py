@@ -87,7 +87,10 @@ class Schedule:
         what the prompt's last forward left pending is still there then."""
         return not self._continuing and step == self._epoch_start
 
-    def walked(self, step: int, cost: float) -> None:
+    def walked(self, step: int, cost: float, cpu_cost: Optional[float] = None) -> None:
+        """A walk at ``step`` took ``cost`` seconds (wall: what the decode lost) and ``cpu_cost``
+        of CPU (its work: a walk that waited for a core must not space the next ones out; beside
+        two busy processes one walk's wall time was up to 3.9x its CPU time)."""
         self.last_cost = cost
         self._last_walk_decode = self.decode_seconds
         offset = step - self._epoch_start
@@ -98,4 +101,5 @@ class Schedule:
         if self.walk_interval is not None:
             self._gap = self.walk_interval
         else:
-            self._gap = max(AUTO_WALK_INTERVAL, cost / AUTO_WALK_SHARE)
+            work = cost if cpu_cost is None else min(cost, cpu_cost)  # (the walk and its waiter run in turn)
+            self._gap = max(AUTO_WALK_INTERVAL, work / AUTO_WALK_SHARE)
