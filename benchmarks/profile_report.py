@@ -51,8 +51,8 @@ def summarize(path: str, top: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-WATCHDOG_FILES = {name for name in os.listdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "watchdog"))
-                  if name.endswith(".py")} if os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "watchdog")) else set()
+_PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "watchdog")
+WATCHDOG_FILES = {name for name in os.listdir(_PACKAGE) if name.endswith(".py")} if os.path.isdir(_PACKAGE) else set()
 
 
 def main(argv=None) -> int:

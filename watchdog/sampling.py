@@ -25,8 +25,9 @@ that, not low.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from . import forecast, graph
 from .graph import TooDeep, account, deep_walker, is_evaluated
@@ -92,13 +93,9 @@ class _SiteSize:
 
 
 class _SiteClock:
-    """What a pending array of one site has gained, summed over the readings: (retained, nodes).
-
-    The arrays of a site are one attribute of layers built by the same code: between two
-    readings they gain alike (a step's node, the gather or concatenation of a batch change),
-    though from different sizes (mlx-lm's first left_padding stays short). So an array not walked
-    now is read as its own last walk plus what the clock gained since. The clock is the site's
-    reference array, walked at every reading: no estimate feeds it."""
+    """What a pending array of one site has gained by each reading's step: (retained, nodes),
+    read off the site's reference chain, walked at every reading (see the module's docstring);
+    no estimate feeds it."""
 
     RATE_MARKS = 8  # the recent marks whose slopes give the rate
 
@@ -126,7 +123,8 @@ class _SiteClock:
                   for a, b in zip(steps, steps[1:])]
         if not slopes:
             return 0.0, 0.0
-        return max(0.0, _median([r for r, _ in slopes])), max(0.0, _median([n for _, n in slopes]))
+        return (max(0.0, statistics.median(r for r, _ in slopes)),
+                max(0.0, statistics.median(n for _, n in slopes)))
 
     def since(self, then: int, now: int) -> tuple[float, float]:
         """What the site gained from ``then`` to ``now`` (both marked)."""
@@ -138,10 +136,22 @@ class _SiteClock:
         self.marks = {step: mark for step, mark in self.marks.items() if step in keep or step in recent}
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+class _Walked(NamedTuple):
+    """One array's last walk."""
+
+    retained: float
+    nodes: float
+    step: int
+    still: bool  # seen not to take its site's steps (the program evaluates it)
+    base: tuple[float, int]  # (retained, step) of the walk its stillness is told from
+
+
+def _pending_by_site(found: Sequence[Found], evaluated: Sequence[bool]) -> dict[str, list[int]]:
+    by_site: dict[str, list[int]] = {}
+    for i, done in enumerate(evaluated):
+        if not done:
+            by_site.setdefault(found[i].site, []).append(i)
+    return by_site
 
 
 class Sampler:
@@ -153,10 +163,7 @@ class Sampler:
         self._sizes: dict[str, _SiteSize] = {}
         self._clocks: dict[str, _SiteClock] = {}
         self._turn = 0  # rotates the sampled arrays of each site
-        # key -> (retained, nodes, step, still, base) of its last walk; still: seen not to take its
-        # site's steps (the program evaluates it, as qwen3_next's mask does the first layer's
-        # left_padding); base: (retained, step) of the walk that was told from
-        self._walked: dict[tuple, tuple] = {}
+        self._walked: dict[tuple, _Walked] = {}  # key -> its last walk
         self._root_keys: list = []
 
     @property
@@ -276,12 +283,9 @@ class Sampler:
         for position, i in enumerate(order):
             retained[i] = float(graph.retained_by_array[position])
             nodes[i] = float(graph.nodes_by_array[position])
-        pending_by_site: dict[str, list[int]] = {}
-        for i, done in enumerate(evaluated):
-            if not done:
-                pending_by_site.setdefault(found[i].site, []).append(i)
-        for site, indices in pending_by_site.items():
+        for site, indices in _pending_by_site(found, evaluated).items():
             walked = [i for i in indices if i in walked_set]
+            walked_new = [i for i in walked if self._history(found[i]) is None]
             self._tick(site, step, found, references.get(site), retained, nodes)  # marks this step: the gains below are read from it
             size = self._sizes.get(site)
             for i in indices:
@@ -289,12 +293,12 @@ class Sampler:
                     continue
                 last = self._history(found[i])
                 if last is not None:  # its own last walk, and what its site gained since (still: none)
-                    gain = (0.0, 0.0) if last[3] else self._clocks[site].since(last[2], step)
-                    retained[i] = max(0.0, last[0] + gain[0])
-                    nodes[i] = max(0.0, last[1] + gain[1])
+                    gain = (0.0, 0.0) if last.still else self._clocks[site].since(last.step, step)
+                    retained[i] = max(0.0, last.retained + gain[0])
+                    nodes[i] = max(0.0, last.nodes + gain[1])
                     continue
                 # Never walked: like those of its root walked now, or else like its site.
-                like = [j for j in walked if found[j].root == found[i].root and self._history(found[j]) is None] or walked
+                like = [j for j in walked_new if found[j].root == found[i].root] or walked
                 if like:
                     retained[i] = sum(retained[j] for j in like) / len(like)
                     nodes[i] = sum(nodes[j] for j in like) / len(like)
@@ -306,18 +310,22 @@ class Sampler:
         """An array's name across readings: its root (by identity, while it lives) and its path."""
         return (self._root_keys[f.root] if f.root < len(self._root_keys) else f.root, f.path)
 
-    def _history(self, f: Found) -> Optional[tuple]:
-        """Its last walk (retained, nodes, step, still, base), when its site's clock has a mark then."""
+    def _history(self, f: Found) -> Optional[_Walked]:
+        """Its last walk, when its site's clock has a mark then (and at its base)."""
         last = self._walked.get(self._key(f))
         clock = self._clocks.get(f.site)
-        if last is None or clock is None or clock.gained(last[2]) is None or clock.gained(last[4][1]) is None:
+        if last is None or clock is None or clock.gained(last.step) is None or clock.gained(last.base[1]) is None:
             return None
         return last
 
     def _reference(self, found: Sequence[Found], indices: list[int]) -> int:
         """The site's longest chain at the last walks: walked at every reading, it is the site's
         clock. (A layer the program evaluates stays short: its gains are not the site's.)"""
-        return max(indices, key=lambda i: (not self._walked[self._key(found[i])][3], self._walked[self._key(found[i])][0]))
+        def length(i: int) -> tuple[bool, float]:
+            last = self._walked[self._key(found[i])]
+            return not last.still, last.retained
+
+        return max(indices, key=length)
 
     def _tick(self, site: str, step: int, found: Sequence[Found], reference: Optional[int],
               retained: list[float], nodes: list[float]) -> tuple[float, float]:
@@ -330,17 +338,14 @@ class Sampler:
             return clock.gained(step)
         mark = None
         last = None if reference is None else self._history(found[reference])
-        if last is not None and last[2] < step:
-            then = clock.gained(last[2])
-            mark = (then[0] + retained[reference] - last[0], then[1] + nodes[reference] - last[1])
+        if last is not None and last.step < step:
+            then = clock.gained(last.step)
+            mark = (then[0] + retained[reference] - last.retained, then[1] + nodes[reference] - last.nodes)
         return clock.advance(step, mark)
 
     def _learn(self, reading: Reading, step: int) -> None:
         walked = reading.walked_indices
-        per_site: dict[str, list[int]] = {}
-        for i, done in enumerate(reading.evaluated):
-            if not done:
-                per_site.setdefault(reading.found[i].site, []).append(i)
+        per_site = _pending_by_site(reading.found, reading.evaluated)
         for site, indices in per_site.items():  # readings of every array tick here (samples did already)
             known = [i for i in indices if self._history(reading.found[i]) is not None]
             reference = self._reference(reading.found, known) if known and walked is None else None
@@ -352,7 +357,7 @@ class Sampler:
                 key = self._key(reading.found[i])
                 if walked is None or i in walked:
                     last = self._history(reading.found[i])
-                    still, base = (False, (reading.retained[i], step)) if last is None else (last[3], last[4])
+                    still, base = (False, (reading.retained[i], step)) if last is None else (last.still, last.base)
                     # Told over many steps, where the steps' gain outweighs a batch change's (that
                     # one moves every array of the site, still ones too): from a base walk that
                     # many steps back, kept while walks come closer together.
@@ -361,11 +366,11 @@ class Sampler:
                         if site_gain >= MIN_SITE_GAIN:
                             still = reading.retained[i] - base[0] < STILL_SHARE * site_gain
                         base = (reading.retained[i], step)
-                    history[key] = (reading.retained[i], reading.nodes[i], step, still, base)
+                    history[key] = _Walked(reading.retained[i], reading.nodes[i], step, still, base)
                 elif key in self._walked:
                     history[key] = self._walked[key]
         self._walked = history
-        used = {last[2] for last in history.values()} | {last[4][1] for last in history.values()}
+        used = {last.step for last in history.values()} | {last.base[1] for last in history.values()}
         self._clocks = {site: clock for site, clock in self._clocks.items() if site in per_site}
         sizes = {}
         for site, indices in per_site.items():
