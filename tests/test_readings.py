@@ -146,7 +146,7 @@ def test_a_busy_batch_read_by_sample_is_read_across_its_requests(counter, monkey
     # leaves, a concatenation as one joins) moves every leaking chain at once, and one layer's
     # chain does not grow (qwen3_next's mask evaluates it). Here a stall bound of 1.5 ms makes
     # the readings samples of this small batch. Before samples tracked what each site gained:
-    # off by -1,000 to +4.6e9 buffers.
+    # off by -1,027 to +4.4e14 buffers at stall bounds of 0.7-3 ms.
     monkeypatch.setattr(sampling, "STALL_SECONDS", 0.0015)
     rows = read_a_busy_batch(counter, Watchdog(limit=200_000, export=False), load=False)
     assert sum(sampled for *_, sampled in rows) >= len(rows) // 2, rows  # they were samples
