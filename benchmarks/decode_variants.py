@@ -187,13 +187,22 @@ def watchdog_for(variant: str) -> Optional[Watchdog]:
     # Diagnostics that take the watchdog apart (instance attributes shadow its methods; benchmark only)
     if variant == "wrapped":
         wd = Watchdog(export=False)
-        wd.observe = lambda roots, **kwargs: None
+        shadow(wd, "observe", lambda roots, **kwargs: None)
         return wd
-    if variant == "nowalk":
+    if variant == "nowalk":  # no walk is ever due: observe()'s per-step path alone
         wd = Watchdog(export=False)
-        wd._walk_affordable = lambda: False
+        shadow(wd._schedule, "due", lambda step: False)
         return wd
     return None
+
+
+def shadow(obj: Any, name: str, replacement: Any) -> None:
+    """Shadow the method ``name`` of ``obj`` by an instance attribute (benchmark diagnostics only).
+    Refuses a name the class no longer has: a shadow of a renamed method changes nothing, and
+    the diagnostic would silently measure the plain variant (``nowalk`` did, from c468ed7 on)."""
+    if not callable(getattr(type(obj), name, None)):
+        raise AttributeError(f"{type(obj).__name__} has no method {name!r} to shadow")
+    setattr(obj, name, replacement)
 
 
 class Decode:

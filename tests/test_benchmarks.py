@@ -39,6 +39,32 @@ def test_decode_benchmark_runs_and_every_variant_gives_the_same_tokens(tmp_path,
     assert rows["aa"][6].endswith(", 3") and rows["unwatched"][6] == ""  # 24 steps in chunks of 8: 3 pairs
 
 
+def test_diagnostic_variants_take_apart_what_they_say():
+    """``nowalk`` observes every step and never walks; ``wrapped`` observes nothing; ``watched``
+    walks. (From c468ed7 to here ``nowalk`` shadowed a method that no longer existed and was
+    ``watched`` under another name.)"""
+    from decode_variants import watchdog_for
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx.core as mx
+    from mlx_watchdog.attach import unwatch_model, watch_model
+    from mlx_watchdog.tiny import build_model
+
+    model = build_model("llama", layers=2)
+    seen = {}
+    for variant in ("nowalk", "wrapped", "watched"):
+        wd = watchdog_for(variant)
+        watch_model(model, wd)
+        for _ in generate_step(mx.array([1, 2, 3]), model, max_tokens=12, prompt_cache=make_prompt_cache(model)):
+            pass
+        unwatch_model(model)
+        seen[variant] = (wd.steps, wd.walks)
+    assert seen["nowalk"][0] >= 10 and seen["nowalk"][1] == 0
+    assert seen["wrapped"] == (0, 0)
+    assert seen["watched"][0] == seen["nowalk"][0] and seen["watched"][1] >= 3, seen
+
+
 def test_observe_cost_runs(capsys):
     assert observe_cost.main(["--layers", "2", "--calls", "50", "--repeats", "1", "--in-decode"]) == 0
     rows = table_rows(capsys.readouterr().out)
