@@ -15,9 +15,10 @@
 #            watched without the fix) and the per-node cost of evaluating the chains
 #   steady   the leak-free llama (48 layers, hidden 2048, bf16) through generate_step, 2 x 2,500
 #            steps: unwatched, A/A, watched, fix, taking one-step turns (~4 minutes)
-#   wrapper  steady's model and design with the wrapper taken apart: a per-instance subclass
-#            that overrides nothing, watch_model with an observe() that does nothing, watched,
-#            fix (~7 minutes)
+#   wrapper  steady's model and design with the watchdog taken apart: watch_model with an
+#            observe() that does nothing (wrapped), observe() without walks (nowalk), watched,
+#            fix; nowalk against wrapped is the per-step path, watched against nowalk the walks
+#            (~8 minutes)
 #   profile  py-spy (PY_SPY: its binary) samples, alone, 600 steps of the leaking hybrid with
 #            the fix and unwatched, and 2,500 steps of the llama watched and unwatched; collapsed
 #            stacks go to $OUT/profile-<model>-<variant>.txt.gz, their summary (profile_report.py)
@@ -45,7 +46,7 @@ case "$PART" in
       --compare fix:async16,fix:watched ;;
   steady) bench "${LLAMA[@]}" --steps 2500 --reps 2 --chunk 25 --interleave-steps --variants unwatched,aa,watched,fix ;;
   wrapper) bench "${LLAMA[@]}" --steps 2500 --reps 2 --chunk 25 --interleave-steps \
-             --variants unwatched,aa,subclass,wrapped,watched,fix --compare wrapped:subclass,watched:wrapped ;;
+             --variants unwatched,aa,wrapped,nowalk,watched,fix --compare nowalk:wrapped,watched:nowalk,watched:wrapped ;;
   profile)
     : "${PY_SPY:?set PY_SPY to the py-spy binary}"
     prof() { local name=$1; shift

@@ -72,6 +72,24 @@ def test_observe_cost_runs(capsys):
     assert all(float(c) > 0 for c in cells[2:])
 
 
+def test_observe_versions_compares_two_trees_in_one_decode(capsys):
+    import observe_versions
+    root = os.path.dirname(BENCHMARKS)
+    assert observe_versions.main(["--version", f"a={root}", "--version", f"b={root}", "--layers", "2",
+                                  "--steps", "100"]) == 0
+    rows = {name: cells for name, cells in table_rows(capsys.readouterr().out).items() if name != "version"}
+    assert set(rows) == {"a", "b"} and all(float(cells[1]) > 0 for cells in rows.values())
+
+
+def test_fix_breakdown_finds_the_chains_it_schedules(capsys):
+    import fix_breakdown
+    assert fix_breakdown.main(["--layers", "4", "--batch", "2", "--steps", "40"]) == 0
+    text = capsys.readouterr().out
+    rows = table_rows(text)
+    assert int(rows["fix: async_eval of the chains"][2]) >= 2  # fix_every 16: at steps 16 and 32 at least
+    assert "pending nodes on average" in text
+
+
 def test_walk_and_fix_cost_runs(capsys):
     assert walk_and_fix_cost.main(["--layers", "4", "--vocab", "512", "--depth", "4", "--repeats", "1"]) == 0
     text = capsys.readouterr().out

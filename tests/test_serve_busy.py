@@ -57,7 +57,7 @@ class OracleServed(Served):
         command = [sys.executable, str(LAUNCHER), "--metrics-port", str(self.metrics_port),
                    *watchdog_args, "--", "--model", str(model_dir), "--port", str(self.port),
                    "--host", "127.0.0.1", *server_args]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",  # see Served.stop
                    ORACLE_LOG=str(self.oracle_log), ORACLE_PORT=str(self.oracle_port))
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)

@@ -14,6 +14,7 @@ watchdog is made, not charged here.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into an epoch that are walked
@@ -43,6 +44,18 @@ class Schedule:
         self._gap = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
         self._owed = len(OWED_OFFSETS)  # index into OWED_OFFSETS of the next walk owed whatever the budget
         self._continuing = False  # the epoch's caches partly go on from the last one
+        # Below both, no walk is wanted and due() is False: observe() skips the call (it runs on
+        # every step, after the forward has left the CPU's caches cold; see core._observe).
+        self.wake_step: float = 0
+        self.wake_decode = 0.0
+        self._arm()
+
+    def _arm(self) -> None:
+        offsets = [OWED_OFFSETS[self._owed]] if self._owed < len(OWED_OFFSETS) else []
+        if self._dense < len(DENSE_OFFSETS):
+            offsets.append(DENSE_OFFSETS[self._dense])
+        self.wake_step = self._epoch_start + min(offsets) if offsets else math.inf
+        self.wake_decode = self._last_walk_decode + self._gap
 
     def new_epoch(self, step: int, continuing: bool = False) -> None:
         """A new epoch at ``step``. One whose caches partly go on (a request joined a busy batch)
@@ -58,6 +71,7 @@ class Schedule:
             # decode for hundreds of steps (measured: 200). Its first walks are cheap (its chains
             # are new), and there are three per decode.
             self._owed = 0
+        self._arm()
 
     def due(self, step: int) -> bool:
         """Is a walk due at ``step``, and does it fit the budget? (Every step: kept cheap.)"""
@@ -70,7 +84,7 @@ class Schedule:
             # buffers): unseen, each change leaves the reading low until the next walk. It may
             # overdraw the budget up to twice.
             return self.affordable(overdraft=2.0)
-        wanted = dense or self.decode_seconds - self._last_walk_decode >= self._gap
+        wanted = dense or self.decode_seconds >= self.wake_decode  # (wake_decode: the last walk + the gap)
         return wanted and self.affordable()
 
     def affordable(self, overdraft: float = 1.0) -> bool:
@@ -103,3 +117,4 @@ class Schedule:
         else:
             work = cost if cpu_cost is None else min(cost, cpu_cost)  # (the walk and its waiter run in turn)
             self._gap = max(AUTO_WALK_INTERVAL, work / AUTO_WALK_SHARE)
+        self._arm()

@@ -1,0 +1,57 @@
+"""The schedule's wake-up marks (``wake_step``, ``wake_decode``) never hide a walk that is due.
+
+``observe()`` calls ``Schedule.due`` only once a step or the decode time reaches them, so a mark
+set too late would leave the watchdog blind until it is reached. Checked on random decodes driven
+as ``observe()`` drives the schedule (a walk whenever one is due), with new epochs, batch changes
+and spent budgets thrown in: at every step, ``due`` is asked whatever the marks say, and must
+never be True while the marks are not reached."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_watchdog.schedule import Schedule
+
+events = st.lists(st.tuples(
+    st.sampled_from(["step"] * 12 + ["epoch", "join", "spend"]),
+    st.floats(min_value=0.0, max_value=0.2),  # a step's seconds, or the budget spent
+    st.floats(min_value=1e-6, max_value=0.01),  # the cost of a walk made at this step
+    st.floats(min_value=0.0, max_value=1.0),  # its CPU share
+), min_size=1, max_size=400)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=events, budget=st.sampled_from([0.0, 0.001, 0.01, 1.0]),
+       interval=st.sampled_from([None, 0.0, 0.05, 2.0]))
+def test_the_marks_never_hide_a_due_walk(events, budget, interval):
+    schedule = Schedule(budget, interval)
+    step = 0
+    for kind, seconds, cost, cpu_share in events:
+        if kind == "step":
+            step += 1
+            schedule.decode_seconds += seconds
+        elif kind in ("epoch", "join"):
+            schedule.new_epoch(step, continuing=kind == "join")
+        else:
+            schedule.spent += seconds
+        woken = step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode
+        due = schedule.due(step)
+        assert woken or not due, (kind, step, schedule.wake_step, schedule.decode_seconds, schedule.wake_decode)
+        if due:
+            schedule.walked(step, cost, cost * cpu_share)
+            schedule.spent += cost
+
+
+def test_the_marks_skip_the_steps_between_walks():
+    """After the dense walks and before the interval has passed, the marks are not reached: the
+    per-step path makes no call. At the interval, the walk is due."""
+    schedule = Schedule(0.01, None)
+    schedule.new_epoch(1)
+    schedule.walked(1, 0.001, 0.001)
+    assert schedule.wake_step == 2  # the next dense offset (1 step in)
+    for offset in (1, 2, 4, 8, 16, 32, 64):
+        schedule.walked(1 + offset, 0.0001, 0.0001)
+    assert schedule.wake_step == float("inf")  # the dense walks are done: only decode time wakes it
+    schedule.decode_seconds = schedule.wake_decode - 0.01
+    assert not schedule.due(100)
+    schedule.decode_seconds = schedule.wake_decode
+    assert schedule.due(100)
