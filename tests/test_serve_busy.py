@@ -37,10 +37,14 @@ LAUNCHER = Path(__file__).with_name("serve_with_oracle.py")
 EXIT_NO_ORACLE = 3  # serve_with_oracle.py's status when the counter cannot be installed
 WATCHDOG = "tiny-qwen3-next"
 
-# What the estimate may miss: the buffers BatchGenerator holds outside the caches it is given
-# and MLX's random key (~7-9), or 5% of the count, whichever is larger.
-ABS_SLACK = 80  # the server holds ~25-50 buffers outside the caches (tokens, logits, logprobs of
-# requests in flight), which a watchdog attached to the model does not see; they do not grow
+# What the estimate may miss, or 5% of the count, whichever is larger: buffers no walk of the
+# caches can see. Measured at idle after busy waves of this test's clients (true count against
+# the evaluated arrays any Python object refers to, over gc.get_objects()): 197-204 live, of
+# which 137 parameters, 14 arrays in the server's lists (its prompt cache: finished requests'
+# caches) and 46-53 held inside MLX with no Python reference at all (not growing from wave to
+# wave). While requests run, their tokens, logits and logprobs add to that, and a request that
+# just joined holds its caches before the walk that reads them (seen: 82 off, at a slack of 80).
+ABS_SLACK = 100
 REL_SLACK = 0.05
 
 
