@@ -68,14 +68,18 @@ def main(argv=None) -> int:
 
     walk, pending, schedule = core.Watchdog._walk, core.Fixer.pending, core.schedule_evaluation
 
+    plain_walk, probe_walk = timed("walk", walk), timed("walk, ending a probe", walk)
+
     def walk_by_kind(self, roots, step, probe_start=None):
-        return timed("walk, ending a probe" if probe_start is not None else "walk", walk)(self, roots, step, probe_start)
+        return (plain_walk if probe_start is None else probe_walk)(self, roots, step, probe_start)
+
+    timed_schedule = timed("fix: async_eval of the chains", schedule)
 
     def schedule_counted(arrays, async_eval=mx.async_eval):
         started = time.perf_counter()
         nodes.append((len(arrays), account(arrays).pending_nodes))  # not the fix's: taken off its time below
         seconds["(counting the nodes)"] += time.perf_counter() - started
-        return timed("fix: async_eval of the chains", schedule)(arrays, async_eval)
+        return timed_schedule(arrays, async_eval)
 
     model = make_model("qwen3_next", args.layers, 0, 512, "float32", 8)
     wd = Watchdog(export=False, fix=True)

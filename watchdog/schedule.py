@@ -40,22 +40,21 @@ class Schedule:
         self.last_cost = 0.0  # seconds of the last walk
         self._epoch_start = 0
         self._dense = 0  # index into DENSE_OFFSETS of the next dense walk of the epoch
-        self._last_walk_decode = 0.0
-        self._gap = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
         self._owed = len(OWED_OFFSETS)  # index into OWED_OFFSETS of the next walk owed whatever the budget
         self._continuing = False  # the epoch's caches partly go on from the last one
         # Below both, no walk is wanted and due() is False: observe() skips the call (it runs on
         # every step, after the forward has left the CPU's caches cold; see core._observe).
+        # wake_decode is the decode time of the last walk plus the gap to the next.
         self.wake_step: float = 0
-        self.wake_decode = 0.0
+        self.wake_decode = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
         self._arm()
 
     def _arm(self) -> None:
+        """wake_step: the epoch's next owed or dense walk."""
         offsets = [OWED_OFFSETS[self._owed]] if self._owed < len(OWED_OFFSETS) else []
         if self._dense < len(DENSE_OFFSETS):
             offsets.append(DENSE_OFFSETS[self._dense])
         self.wake_step = self._epoch_start + min(offsets) if offsets else math.inf
-        self.wake_decode = self._last_walk_decode + self._gap
 
     def new_epoch(self, step: int, continuing: bool = False) -> None:
         """A new epoch at ``step``. One whose caches partly go on (a request joined a busy batch)
@@ -84,7 +83,7 @@ class Schedule:
             # buffers): unseen, each change leaves the reading low until the next walk. It may
             # overdraw the budget up to twice.
             return self.affordable(overdraft=2.0)
-        wanted = dense or self.decode_seconds >= self.wake_decode  # (wake_decode: the last walk + the gap)
+        wanted = dense or self.decode_seconds >= self.wake_decode
         return wanted and self.affordable()
 
     def affordable(self, overdraft: float = 1.0) -> bool:
@@ -106,15 +105,15 @@ class Schedule:
         of CPU (its work: a walk that waited for a core must not space the next ones out; beside
         two busy processes one walk's wall time was up to 3.9x its CPU time)."""
         self.last_cost = cost
-        self._last_walk_decode = self.decode_seconds
         offset = step - self._epoch_start
         while self._owed < len(OWED_OFFSETS) and OWED_OFFSETS[self._owed] <= offset:
             self._owed += 1
         while self._dense < len(DENSE_OFFSETS) and DENSE_OFFSETS[self._dense] <= offset:
             self._dense += 1
         if self.walk_interval is not None:
-            self._gap = self.walk_interval
+            gap = self.walk_interval
         else:
             work = cost if cpu_cost is None else min(cost, cpu_cost)  # (the walk and its waiter run in turn)
-            self._gap = max(AUTO_WALK_INTERVAL, work / AUTO_WALK_SHARE)
+            gap = max(AUTO_WALK_INTERVAL, work / AUTO_WALK_SHARE)
+        self.wake_decode = self.decode_seconds + gap
         self._arm()
