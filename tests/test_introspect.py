@@ -1,6 +1,8 @@
 """find_arrays / scan: every reachable array once, with a path, on any object graph."""
 
 import dataclasses
+import gc
+import sys
 
 import mlx.core as mx
 import pytest
@@ -191,3 +193,99 @@ def test_scan_bounds_must_be_positive_through_watchdog(bad):
 
     with pytest.raises(ValueError, match="max_objects"):
         Watchdog(max_objects=bad)
+
+
+# --- Reading leaves the program's objects as they were (no __dict__ made) ---------------------
+
+INLINE_DETECTABLE = (3, 11) <= sys.version_info[:2] < (3, 13)  # 3.13 keeps the values beside the dict
+
+
+def _dict_made(obj) -> bool:
+    """Has ``obj`` been given a real ``__dict__``? On 3.11/3.12 the garbage collector then sees
+    that dict instead of the inline values (an independent view: no reading of ours)."""
+    return any(type(held) is dict for held in gc.get_referents(obj))
+
+
+@pytest.mark.skipif(not INLINE_DETECTABLE, reason="inline attribute values are observable on CPython 3.11/3.12 only")
+@pytest.mark.parametrize("inline", [True, False])
+def test_walked_caches_keep_their_inline_attributes(inline, monkeypatch):
+    """A decode's caches after the watchdog walked them and followed their paths: read through
+    ``__dict__``, each would carry a dict for good and every attribute access of the forward
+    would be slower (measured 4.5-5.5x). The old read (``inline=False``) shows that this test
+    sees it. (mlx-lm's BatchGenerator gives its merged caches a dict itself.)"""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_watchdog import Watchdog, rawread, tiny, watch_model
+    from mlx_watchdog.introspect import scan_all
+
+    monkeypatch.setattr(rawread, "INLINE_VALUES", inline)
+    monkeypatch.setattr(rawread, "_types", {})  # names learnt by earlier tests start again
+    model = tiny.build_model("llama", layers=4)
+    wd = Watchdog(export=False, fix=True, fix_every=2)
+    watch_model(model, wd)
+    cache = make_prompt_cache(model)
+    assert not any(_dict_made(c) for c in cache)  # mlx-lm's KVCache, as generate_step makes it
+    for _, _ in zip(range(20), generate_step(mx.array([1, 2, 3]), model, max_tokens=20, prompt_cache=cache)):
+        pass
+    assert wd.walks >= 3
+    found = scan_all([(cache, "")]).found
+    assert all(resolve(cache, f.steps) is f.array for f in found)  # what the fix follows
+    assert len(found) == 2 * len(cache)
+    assert [_dict_made(c) for c in cache] == [not inline] * len(cache)
+
+
+class Assigned:
+    default = None  # a class-level default, shadowed by some instances
+
+    def __init__(self, n):
+        self.a = mx.zeros((n,))
+        self.rows = [mx.ones((1,))]
+
+    def grow(self):
+        self.later = mx.ones((2,))
+
+    @property
+    def view(self):  # a property of the same name as an instance entry is never called
+        raise AssertionError("property was invoked")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(["grow", "outside", "default", "del_a", "odd_key", "view_entry"]), max_size=5))
+def test_attributes_read_by_name_are_the_instance_dict(changes):
+    """Whatever the instance holds (attributes its class assigns, ones set from outside, a
+    shadowed class default, a deleted one, a non-identifier key, an entry hidden behind a
+    property), the walk reads exactly what ``vars()`` shows afterwards."""
+    from mlx_watchdog import rawread
+
+    objs = []
+    for i in range(3):  # several instances of one class: names learnt on one serve the others
+        obj = Assigned(i + 1)
+        for change in changes:
+            if change == "grow":
+                obj.grow()
+            elif change == "outside":
+                obj.outside = mx.full((1,), i)
+            elif change == "default":
+                obj.default = mx.ones((3,))
+            elif change == "del_a":
+                try:
+                    del obj.a
+                except AttributeError:  # deleted already
+                    pass
+            elif change == "odd_key":  # these two give the instance a real __dict__ first
+                obj.__dict__["not a name"] = mx.zeros((1,))
+            elif change == "view_entry":
+                obj.__dict__["view"] = mx.zeros((4,))
+        objs.append(obj)
+    t = rawread.info(Assigned)
+    for obj in objs:
+        read = rawread.attributes(obj, t, 1000)
+        truth = vars(obj)
+        got = {(key, id(child)) for key, _, child in read if rawread.info(type(child)).kind > rawread.OPAQUE}
+        want = {(key, id(child)) for key, child in truth.items() if rawread.info(type(child)).kind > rawread.OPAQUE}
+        assert got == want
+        for key, step, child in read:  # and each is found again by its step (what the fix follows)
+            if type(key) is str:
+                assert rawread.attribute(obj, step) is child
+
