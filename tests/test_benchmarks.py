@@ -148,3 +148,28 @@ def test_paired_speed_writes_each_chunk_as_it_ends_and_reports_from_the_records(
     assert ends["fix"]["retained_at_end"] < ends["unwatched"]["retained_at_end"]  # the fix cut the leak
     text = paired_speed.report([str(records)], [])
     assert "| fix | aa |" in text and "| fix | unwatched |" in text  # --compare kept in the record
+
+
+def test_round_diff_tells_a_cost_of_every_round_from_one_of_few(tmp_path, capsys, monkeypatch):
+    """A variant 2 ms slower in every round and one 20 ms slower in a tenth of them have the
+    same mean difference; only the first moves the median."""
+    import json
+    import random
+
+    import round_diff
+
+    rng = random.Random(0)
+    path = tmp_path / "records.jsonl"
+    with open(path, "w") as f:
+        for k in range(200):
+            base = 0.2 + rng.uniform(-0.004, 0.004)
+            for variant, extra in (("ref", 0.0), ("steady", 0.002), ("rare", 0.02 if k % 10 == 0 else 0.0)):
+                f.write(json.dumps({"type": "chunk", "rep": 0, "round": k, "variant": variant,
+                                    "seconds": base + extra + rng.uniform(-0.001, 0.001)}) + "\n")
+    monkeypatch.setattr(sys, "argv", ["round_diff.py", str(path), "steady:ref", "rare:ref"])
+    round_diff.main()
+    rows = {r[0]: r for r in (line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()[2:])}
+    median = {v: float(rows[f" {v} "][4]) for v in ("steady", "rare")}
+    mean = {v: float(rows[f" {v} "][5]) for v in ("steady", "rare")}
+    assert abs(median["steady"] - 2.0) < 0.3 and abs(median["rare"]) < 0.3
+    assert abs(mean["steady"] - mean["rare"]) < 0.3
