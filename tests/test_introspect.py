@@ -289,3 +289,24 @@ def test_attributes_read_by_name_are_the_instance_dict(changes):
             if type(key) is str:
                 assert rawread.attribute(obj, step) is child
 
+
+
+def test_a_property_added_to_the_class_after_a_walk_is_never_called():
+    """Names read by name are checked again at each walk, and before each path is followed: a
+    property put on the class since (a monkeypatch) would run under object.__getattribute__."""
+    from mlx_watchdog.introspect import scan_all
+
+    class Late:
+        def __init__(self):
+            self.x = mx.zeros((2,))
+
+    obj = Late()
+    first = scan_all([(obj, "")]).found
+    assert [f.path for f in first] == ["x"]
+
+    calls = []
+    Late.x = property(lambda self: calls.append("x") or mx.ones((1,)))  # noted, not raised: nothing may swallow it
+    again = scan_all([(obj, "")]).found
+    assert [f.path for f in again] == ["x"] and again[0].array is first[0].array
+    assert resolve(obj, again[0].steps) is first[0].array
+    assert calls == []

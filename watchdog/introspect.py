@@ -82,6 +82,7 @@ def scan_all(roots: list[tuple[Any, str]], *, max_objects: int = MAX_OBJECTS, ma
     """Walk several roots, each ``(object, path prefix)``, as one: an array reachable from two
     of them is found once. ``Found.root`` is the index of the root it was found from."""
     walk = _Walk(max_objects, max_depth)
+    rawread.begin_walk()
     try:
         walk.run(roots)
     except Exception as exc:  # a bug of ours: what was found so far stands

@@ -33,6 +33,7 @@ import dis
 import gc
 import re
 import sys
+import threading
 import types
 from typing import Any, Callable, Optional
 
@@ -80,7 +81,7 @@ class TypeInfo:
     """What the walk needs to know of one type, found once per type."""
 
     __slots__ = ("cls", "kind", "name", "snapshot", "length", "base", "attrs_dict", "hidden_dict",
-                 "slots", "keys_are_names", "_names")
+                 "slots", "keys_are_names", "_candidates", "_names", "_checked")
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
@@ -92,7 +93,9 @@ class TypeInfo:
         self.hidden_dict = False  # instances have a __dict__ that no builtin descriptor reaches
         self.slots: tuple = ()  # (name, member descriptor) along the MRO
         self.keys_are_names = False
-        self._names: Optional[list[tuple[str, Any]]] = None  # (name, class-level default), see names
+        self._candidates: Optional[list[str]] = None  # names that may be instance attributes
+        self._names: list[tuple[str, Any]] = []  # of them, those read by name now (see names)
+        self._checked = -1  # the walk they were checked at
         self.kind = self._kind(cls)
         if self.kind in (DICT, OBJECT):
             self._find_members(cls)
@@ -137,23 +140,33 @@ class TypeInfo:
     def names(self) -> list[tuple[str, Any]]:
         """(name, class-level default or _MISSING) of the instance attributes read by name: those
         the class's code assigns (found once, in its bytecode), then those learnt from a
-        ``__dict__`` read. Only names ``object.__getattribute__`` reads without running code."""
-        if self._names is None:
-            self._names = []
-            for name in _assigned_names(self.cls):
-                self.learn(name)
+        ``__dict__`` read. Only names ``object.__getattribute__`` reads without running code,
+        checked again at each walk: a property added to the class since would run."""
+        if self._candidates is None:
+            self._candidates = _assigned_names(self.cls)
+        if self._checked != _walks:
+            readable = [(n, _class_default(self.cls, n)) for n in self._candidates]
+            self._names = [(n, d) for n, d in readable if d is not _UNREADABLE]
+            self._checked = _walks
         return self._names
 
-    def default(self, name: str) -> Any:
-        """The class-level default of a name read by name; _UNREADABLE for any other name."""
-        return next((default for n, default in self.names if n == name), _UNREADABLE)
+    def learn(self, keys: list) -> None:
+        """Names found in an instance ``__dict__`` (one the names read missed)."""
+        with _learn_lock:
+            known = set(self._candidates or ())
+            new = [k for k in keys if type(k) is str and k not in known]  # builtin str: no code hashed
+            if new and len(known) < MAX_NAMES:
+                self._candidates = list(self._candidates or ()) + new[:MAX_NAMES - len(known)]
+                self._checked = -1
 
-    def learn(self, name: Any) -> None:
-        if type(name) is not str or len(self.names) >= MAX_NAMES or any(n == name for n, _ in self._names):
-            return
-        default = _class_default(self.cls, name)
-        if default is not _UNREADABLE:
-            self._names.append((name, default))
+
+_walks = 0  # walks begun (begin_walk): TypeInfo re-checks its names once per walk
+_learn_lock = threading.Lock()
+
+
+def begin_walk() -> None:
+    global _walks
+    _walks += 1
 
 
 _UNREADABLE = object()
@@ -173,7 +186,15 @@ def _class_default(cls: type, name: str) -> Any:
 
 def _assigned_names(cls: type) -> list[str]:
     """The attribute names the class's functions (along its MRO) assign, in the order first seen:
-    ``self.keys = ...`` in ``__init__`` is STORE_ATTR ``keys`` in its bytecode."""
+    ``self.keys = ...`` in ``__init__`` is STORE_ATTR ``keys`` in its bytecode. None found (an
+    odd class): its instances' ``__dict__`` is read, and the names learnt there."""
+    try:
+        return _stored_names(cls)
+    except Exception:
+        return []
+
+
+def _stored_names(cls: type) -> list[str]:
     codes = []
     for klass in _mro(cls):
         for value in list(types.MappingProxyType.values(_type_dict(klass))):
@@ -183,13 +204,13 @@ def _assigned_names(cls: type) -> list[str]:
             functions = (value.fget, value.fset, value.fdel) if kind is property else (value,)
             codes.extend(f.__code__ for f in functions if type(f) is types.FunctionType)
     names: dict[str, None] = {}
-    while codes:
+    while codes and len(names) < MAX_NAMES:
         code = codes.pop(0)
         codes.extend(c for c in code.co_consts if type(c) is types.CodeType)  # closures, comprehensions
         for instruction in dis.get_instructions(code):
             if instruction.opname == "STORE_ATTR" and type(instruction.argval) is str:
                 names.setdefault(instruction.argval, None)
-    return list(names)
+    return list(names)[:MAX_NAMES]
 
 
 def _derives(cls: type, base: Any) -> bool:
@@ -233,7 +254,7 @@ def attributes(value: Any, t: TypeInfo, limit: int) -> Optional[list[tuple[str, 
             continue
     if t.attrs_dict is None:
         return out
-    entries = _named_attributes(value, t, [child for _, _, child in out]) if INLINE_VALUES else None
+    entries = _named_attributes(value, t, [child for _, _, child in out], limit) if INLINE_VALUES else None
     if entries is None:  # before 3.11 a __dict__ always exists; or the names missed something
         attrs = _instance_dict(value, t)
         if attrs is None:
@@ -241,26 +262,33 @@ def attributes(value: Any, t: TypeInfo, limit: int) -> Optional[list[tuple[str, 
         if dict.__len__(attrs) > limit:
             return None
         entries = list(dict.items(attrs))
-        for key, _ in entries:
-            t.learn(key)
+        t.learn([key for key, _ in entries])
     elif len(entries) > limit:
         return None
     return [(key, key, child) for key, child in entries] + out
 
 
-def _named_attributes(value: Any, t: TypeInfo, slot_values: list) -> Optional[list[tuple[str, Any]]]:
+def _named_attributes(value: Any, t: TypeInfo, covered: list, limit: int) -> Optional[list[tuple[str, Any]]]:
     """The instance attributes read by name, or None when the object holds something else that
-    may hold arrays (set by code outside its class, under a name not seen yet)."""
-    entries, read = [], {id(child) for child in slot_values}
+    may hold arrays (set by code outside its class, under a name not seen yet). ``covered``:
+    what the caller reads otherwise (slots)."""
+    if t.snapshot is not None and t.length(value) > limit:
+        return None  # a huge container subclass: not copied twice
+    entries, read = [], {id(child) for child in covered}
     for name, default in t.names:
         try:
             child = _getattribute(value, name)
-        except AttributeError:
+        except AttributeError:  # not set on this instance
             continue
+        except Exception:  # an extension type's own lookup refused it
+            return None
         if child is not default:  # not the class-level default
             entries.append((name, child))
             read.add(id(child))
-    for held in gc.get_referents(value):  # values, slots, the class itself (3.11+: no dict made)
+    if t.snapshot is not None:  # a container subclass: its items are read as items
+        for item in t.snapshot(value):
+            read.update(map(id, item) if t.kind == DICT else (id(item),))
+    for held in gc.get_referents(value):  # values, slots, items, the class (3.11+: no dict made)
         if held is not t.cls and id(held) not in read and info(type(held)).kind > OPAQUE:
             return None
     return entries
@@ -313,7 +341,7 @@ def attribute(value: Any, step: Any) -> Any:
     if type(step) is _MEMBER:
         return step.__get__(value, t.cls)
     if INLINE_VALUES and type(step) is str and t.attrs_dict is not None:
-        default = t.default(step)
+        default = _class_default(t.cls, step)  # checked now: the fix follows paths between walks
         if default is not _UNREADABLE:  # read by name, as the walk found it (no __dict__ made)
             try:
                 found = _getattribute(value, step)
