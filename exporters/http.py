@@ -41,10 +41,8 @@ DEFAULT_IDLE_TIMEOUT = 10.0  # seconds; Prometheus reconnects when a kept-alive 
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
 _READ_CHUNK = 16 * 1024
-# Python >= 3.11 upgrades an accepted connection to TLS (StreamWriter.start_tls): the handshake is
-# then one of the counted, evictable connections. 3.10 lets asyncio handshake before the
-# connection is counted; a handshake is still bounded by idle_timeout.
-_UPGRADE_TLS = hasattr(asyncio.StreamWriter, "start_tls")
+# An accepted connection is upgraded to TLS (StreamWriter.start_tls, Python 3.11+): the handshake
+# is then one of the counted, evictable connections, bounded by idle_timeout.
 
 
 class _Connection:
@@ -124,10 +122,7 @@ class BoundedHTTPServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        early_tls = self.ssl_context if self.ssl_context and not _UPGRADE_TLS else None
-        server = await asyncio.start_server(
-            self._serve, sock=self.socket, ssl=early_tls,
-            ssl_handshake_timeout=self.idle_timeout if early_tls else None)
+        server = await asyncio.start_server(self._serve, sock=self.socket)
         self._ready.set()
         try:
             await self._stop.wait()
@@ -156,7 +151,7 @@ class BoundedHTTPServer:
         self._admit(conn)
         http = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_header_bytes)
         try:
-            if self.ssl_context is not None and _UPGRADE_TLS:
+            if self.ssl_context is not None:
                 raw = writer.transport
                 try:
                     await writer.start_tls(self.ssl_context, ssl_handshake_timeout=self.idle_timeout)
