@@ -73,6 +73,7 @@ _MODULE = ("Module", "mlx.nn.layers.base")  # nn.Module: a dict whose keys are i
 MAX_TYPES = 4096  # types remembered; the table starts again when full
 MAX_NAMES = 256  # attribute names read by name per class; past that, the instance __dict__ is read
 # Inline attribute values (CPython 3.11+): reading __dict__ would turn them into a dict for good.
+# False: every instance's __dict__ is read (a test sets it, to show what that does).
 INLINE_VALUES = sys.version_info >= (3, 11)
 _getattribute = object.__getattribute__
 
