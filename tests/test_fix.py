@@ -270,6 +270,25 @@ def test_deepseek_v41_cannot_be_batched_watched_or_not(watching):
 # ----------------------------------------------------------------------------- the live leak
 
 
+def test_a_walk_that_sees_nothing_pending_starts_no_probe(watching):
+    """A probe is a second walk 1-3 steps after a walk, to measure what pending graphs gain. On
+    a decode whose caches are evaluated every step there is nothing to measure (every probe of a
+    leak-free 4-layer llama read 0), and on the H200 a walk costs ~1-2 ms of host time."""
+    from mlx_lm.generate import generate_step
+
+    m = model("llama", 4)
+    wd = Watchdog(fix=True, export=False)
+    watching(m, wd)
+    cache = make_prompt_cache(m)
+    for _ in zip(range(400), generate_step(mx.array([1, 2, 3]), m, max_tokens=400, prompt_cache=cache)):
+        pass
+    assert wd.walks >= 5 and wd._fixer.probes == 0 and wd.materialized_arrays == 0
+    leaking = Watchdog(fix=True, export=False)
+    watching(model("qwen3_next", LEAK_LAYERS), leaking)
+    batched_decode(model("qwen3_next", LEAK_LAYERS), PROMPTS, 200)
+    assert leaking._fixer.probes >= 3 and leaking.materialized_arrays > 0
+
+
 def test_fix_cuts_the_live_batched_leak(watching):
     m = model("qwen3_next", LEAK_LAYERS)
     # Baseline, fix off: the leak is there (rate and retained buffers grow).
@@ -497,12 +516,13 @@ def test_graphs_the_program_never_evaluates_are_not_computed(watching):
     assert wd.materialized_arrays == 0 and wd.steps == 6
 
     # The contrast: the same loop evaluating each output lets the fix materialize what the
-    # output left pending (the linear-attention states).
+    # output left pending (the linear-attention states). They do not grow (the next forward
+    # reads them), so only the fix's full sweep (every FULL_SWEEP_FIXES-th fix) takes them.
     wd2 = Watchdog(fix=True, fix_every=1, export=False)
     watching(m, wd2)
     cache = make_prompt_cache(m)
     mx.eval(m(mx.array([PROMPT]), cache=cache))
-    for token in range(5):
+    for token in range(fix_module.FULL_SWEEP_FIXES + 8):
         mx.eval(m(mx.array([[token]]), cache=cache))
     assert wd2.materialized_arrays > 0
 

@@ -362,7 +362,8 @@ class Watchdog:
         if self._scope.version != self._epoch_version:
             self._new_epoch(step)
 
-        # In fix mode a walk starts a probe (fix.py), a second one 1-3 steps later ends it.
+        # In fix mode a walk that saw a pending graph starts a probe (fix.py), a second walk 1-3
+        # steps later ends it. With nothing pending there is nothing to measure or cut.
         walked_pending = None
         fixer = self._fixer
         if fixer.probe is not None:
@@ -371,7 +372,7 @@ class Watchdog:
                 walked_pending = self._walk(roots, step, probe_start=probe)
         elif (step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode) and schedule.due(step):
             walked_pending = self._walk(roots, step)
-            if self.fix and fixer.wants_probe():
+            if self.fix and self._last.pending_nodes and fixer.wants_probe():
                 fixer.start_probe(step, self._growth.site_buffers())
         if self.fix and fixer.due(step, last_output):
             self._fix(roots, walked_pending, step)
