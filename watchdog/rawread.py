@@ -256,7 +256,7 @@ def attributes(value: Any, t: TypeInfo, limit: int) -> Optional[list[tuple[str, 
     if t.attrs_dict is None:
         return out
     entries = _named_attributes(value, t, [child for _, _, child in out], limit) if INLINE_VALUES else None
-    if entries is None:  # before 3.11 a __dict__ always exists; or the names missed something
+    if entries is None:  # read by name is off (INLINE_VALUES), or the names missed something
         attrs = _instance_dict(value, t)
         if attrs is None:
             return out
