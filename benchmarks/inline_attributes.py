@@ -1,8 +1,8 @@
 """What reading an object's ``__dict__`` costs the program afterwards (CPython 3.11+).
 
 CPython 3.11+ keeps an instance's attributes inline, without a dict object, until something asks
-for its ``__dict__``; then the object gets a real dict for good. Until 3197340 the watchdog's walk
-read every cache's ``__dict__``, so after its first walk each cache of the decode carried one.
+for its ``__dict__``; then the object gets a real dict for good. A walk that read every cache's
+``__dict__`` would leave each cache of the decode with one (``rawread.py`` reads by name instead).
 Two measurements, each paired with an A/A control:
 
 * ``--pure`` (any Python, no MLX): the attribute traffic of a KV cache's update (5 reads, 2
@@ -76,7 +76,7 @@ def forward(forwards: int) -> None:
     for cache in sets.values():
         mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
     for c in sets["read"]:
-        c.__dict__  # what the walk did until 3197340
+        c.__dict__  # what a walk reading __dict__ would do
 
     def build(cache) -> float:
         start = time.perf_counter()

@@ -5,9 +5,9 @@ differences but not their median; one paid at every step moves both. This prints
 ``variant:reference`` pair and repetition, the distribution of the per-round differences in
 milliseconds (a round is one record, e.g. 25 one-step turns).
 
-It is what placed the walks' hidden cost on the leak-free H200 llama (2dee543): ``watched``
-against ``nowalk`` had a median round +1.3-1.7 ms, so every round paid, not the ~12 rounds with a
-walk; the caches' ``__dict__`` read by the walks was slowing every later forward
+Example (``speed_h200.md``): when the walks read the caches' ``__dict__``, ``watched`` against
+``nowalk`` had a median round of +1.3-1.7 ms on the leak-free H200 llama. Every round paid, not
+only the ~12 rounds with a walk: the read was slowing every later forward
 (``inline_attributes.py``).
 
 Usage: python benchmarks/round_diff.py RECORDS.jsonl watched:nowalk [more pairs]
