@@ -173,3 +173,13 @@ def test_round_diff_tells_a_cost_of_every_round_from_one_of_few(tmp_path, capsys
     mean = {v: float(rows[f" {v} "][5]) for v in ("steady", "rare")}
     assert abs(median["steady"] - 2.0) < 0.3 and abs(median["rare"]) < 0.3
     assert abs(mean["steady"] - mean["rare"]) < 0.3
+
+
+def test_inline_attributes_benchmark_runs(capsys):
+    import inline_attributes
+
+    inline_attributes.pure()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "untouched", "untouched again (A/A)", "__dict__ read once", "gc.get_referents", "object.__getattribute__"]
+    assert all(float(r.split("|")[2]) > 0 for r in rows)
