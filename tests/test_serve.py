@@ -97,14 +97,18 @@ class Served:
         command = [sys.executable, "-m", *entry, "--metrics-port", str(self.metrics_port),
                    *watchdog_args, "--", "--model", str(model_dir), "--port", str(self.port),
                    "--host", "127.0.0.1", "--prompt-cache-size", "2"]
+        self._launch(command, workdir)
+        _wait_healthy(self.base + "/health", self.process, self.log)
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def _launch(self, command: list[str], workdir: Path, **env: str) -> None:
+        """Start the server process (its output to ``self.log``) with ``env`` added."""
         # PYTHONFAULTHANDLER: a server that does not stop is sent SIGABRT, which prints every thread's stack
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **env)
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
         self.base = f"http://127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        _wait_healthy(self.base + "/health", self.process, self.log)
-        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def stream(self, prompt: str, max_tokens: int) -> dict:
         """Stream a text completion; returns its text, chunk count and last finish_reason."""

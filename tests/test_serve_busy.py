@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -61,12 +60,7 @@ class OracleServed(Served):
         command = [sys.executable, str(LAUNCHER), "--metrics-port", str(self.metrics_port),
                    *watchdog_args, "--", "--model", str(model_dir), "--port", str(self.port),
                    "--host", "127.0.0.1", *server_args]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1",  # see Served.stop
-                   ORACLE_LOG=str(self.oracle_log), ORACLE_PORT=str(self.oracle_port))
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        self._launch(command, workdir, ORACLE_LOG=str(self.oracle_log), ORACLE_PORT=str(self.oracle_port))
         self.oracle_url = f"http://127.0.0.1:{self.oracle_port}/live"
         self._wait_up()
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
