@@ -143,10 +143,8 @@ class TypeInfo:
         the class's code assigns (found once, in its bytecode), then those learnt from a
         ``__dict__`` read. Only names ``object.__getattribute__`` reads without running code,
         checked again at each walk: a property added to the class since would run."""
-        if self._candidates is None:
-            self._candidates = _assigned_names(self.cls)
         if self._checked != _walks:
-            readable = [(n, _class_default(self.cls, n)) for n in self._candidates]
+            readable = [(n, _class_default(self.cls, n)) for n in self._candidate_names()]
             self._names = [(n, d) for n, d in readable if d is not _UNREADABLE]
             self._checked = _walks
         return self._names
@@ -154,11 +152,18 @@ class TypeInfo:
     def learn(self, keys: list) -> None:
         """Names found in an instance ``__dict__`` (one the names read missed)."""
         with _learn_lock:
-            known = set(self._candidates or ())
+            candidates = self._candidate_names()
+            known = set(candidates)
             new = [k for k in keys if type(k) is str and k not in known]  # builtin str: no code hashed
             if new and len(known) < MAX_NAMES:
-                self._candidates = list(self._candidates or ()) + new[:MAX_NAMES - len(known)]
+                self._candidates = candidates + new[:MAX_NAMES - len(known)]
                 self._checked = -1
+
+    def _candidate_names(self) -> list[str]:
+        # Found on first use, learnt or read: a __dict__ read first must not drop the class's names.
+        if self._candidates is None:
+            self._candidates = _assigned_names(self.cls)
+        return self._candidates
 
 
 _walks = 0  # walks begun (begin_walk): TypeInfo re-checks its names once per walk
