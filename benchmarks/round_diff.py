@@ -16,25 +16,17 @@ Usage: python benchmarks/round_diff.py RECORDS.jsonl watched:nowalk [more pairs]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
-
-def round_seconds(path: str) -> dict[tuple[int, int, str], float]:
-    """(repetition, round, variant) -> seconds of that record."""
-    out = {}
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            if record.get("type") == "chunk":
-                out[(record["rep"], record["round"], record["variant"])] = record["seconds"]
-    return out
+from paired_stats import read_records, rounds_by_variant
 
 
-def differences(seconds: dict, variant: str, reference: str, rep: int) -> list[float]:
-    """Per-round seconds of ``variant`` minus ``reference``, in ms, on the rounds both ran."""
-    return sorted(1e3 * (s - seconds[(r, k, reference)]) for (r, k, v), s in seconds.items()
-                  if r == rep and v == variant and (r, k, reference) in seconds)
+def differences(table: dict, variant: str, reference: str, run: str, rep: int) -> list[float]:
+    """Per-round seconds of ``variant`` minus ``reference`` in one repetition of one run, in ms,
+    on the rounds both ran (``table``: ``paired_stats.rounds_by_variant``)."""
+    ours, theirs = table.get(variant, {}), table.get(reference, {})
+    return sorted(1e3 * (seconds - theirs[key][1]) for key, (_, seconds) in ours.items()
+                  if key[:2] == (run, rep) and key in theirs)
 
 
 def main() -> None:
@@ -42,16 +34,16 @@ def main() -> None:
     p.add_argument("records")
     p.add_argument("pairs", nargs="+", help="variant:reference")
     args = p.parse_args()
-    seconds = round_seconds(args.records)
-    reps = sorted({rep for rep, _, _ in seconds})
+    table = rounds_by_variant(read_records([args.records]))
+    repetitions = sorted({key[:2] for rounds in table.values() for key in rounds})
     print("| variant | vs | rep | rounds | median, ms | mean, ms | 10% trimmed mean, ms | quartiles, ms |")
     print("|---|---|---|---|---|---|---|---|")
     for pair in args.pairs:
         variant, sep, reference = pair.partition(":")
         if not sep:
             p.error(f"a pair is variant:reference, got {pair!r}")
-        for rep in reps:
-            d = differences(seconds, variant, reference, rep)
+        for run, rep in repetitions:
+            d = differences(table, variant, reference, run, rep)
             if len(d) < 10:
                 continue
             cut = len(d) // 10

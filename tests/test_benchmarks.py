@@ -164,8 +164,8 @@ def test_round_diff_tells_a_cost_of_every_round_from_one_of_few(tmp_path, capsys
         for k in range(200):
             base = 0.2 + rng.uniform(-0.004, 0.004)
             for variant, extra in (("ref", 0.0), ("steady", 0.002), ("rare", 0.02 if k % 10 == 0 else 0.0)):
-                f.write(json.dumps({"type": "chunk", "rep": 0, "round": k, "variant": variant,
-                                    "seconds": base + extra + rng.uniform(-0.001, 0.001)}) + "\n")
+                f.write(json.dumps({"type": "chunk", "run": "r1", "rep": 0, "round": k, "variant": variant,
+                                    "tokens": 25, "seconds": base + extra + rng.uniform(-0.001, 0.001)}) + "\n")
     monkeypatch.setattr(sys, "argv", ["round_diff.py", str(path), "steady:ref", "rare:ref"])
     round_diff.main()
     rows = {r[0]: r for r in (line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()[2:])}
