@@ -214,6 +214,7 @@ def test_internal_failures_are_counted_and_the_decode_goes_on(monkeypatch, caplo
     monkeypatch.setattr(sampling, "account", broken)
     wd = Watchdog(limit=100)
     cache = ScalarCache()
+    cache.step()  # pending from the first walk on (nothing pending needs no graph walk)
     with caplog.at_level(logging.WARNING, logger="mlx_watchdog"):
         for _ in range(3):
             wd.observe(cache)

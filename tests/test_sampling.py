@@ -75,3 +75,41 @@ def test_samples_follow_chains_that_change_together(layers, still, events):
             assert -(0.05 * exact.retained_buffers + 2) <= err <= 0.05 * exact.retained_buffers + 2 + high, \
                 (readings, reading.retained, exact.retained_by_array)
     assert sampled >= len(events) - 3  # the first readings walk arrays never walked
+
+
+@settings(max_examples=40, deadline=None)
+@given(states=st.lists(st.sampled_from(["evaluated", "pending", "scheduled"]), min_size=1, max_size=10),
+       depth=st.integers(1, 12))
+def test_a_first_reading_is_the_walk_of_everything(states, depth):
+    # Arrays evaluated, pending, or scheduled by mx.async_eval (their graph already cut, their
+    # buffer given; the device may not have run them yet).
+    caches = [Layer(batch=2) for _ in states]
+    for layer, state in zip(caches, states):
+        if state != "evaluated":
+            for _ in range(depth):
+                layer.left_padding = layer.left_padding - 1
+        if state == "scheduled":
+            mx.async_eval(layer.left_padding)
+    found = scan(caches).found
+    reading = Sampler().read(found, 1, [0])
+    exact = graph.account([f.array for f in found])
+    assert reading.evaluated == exact.evaluated_by_array
+    assert reading.retained == [float(r) for r in exact.retained_by_array]
+    assert reading.nodes == [float(n) for n in exact.nodes_by_array]
+
+
+def test_a_reading_with_nothing_pending_exports_no_graph(monkeypatch):
+    from mlx_watchdog import sampling
+
+    exports = []
+    real = sampling.account
+    monkeypatch.setattr(sampling, "account", lambda arrays, **kw: exports.append(len(arrays)) or real(arrays, **kw))
+    caches = [Layer(batch=2) for _ in range(4)]
+    sampler = Sampler()
+    reading = sampler.read(scan(caches).found, 1, [0])
+    assert exports == [] and reading.evaluated == [True] * 4 and reading.retained_buffers == 0
+    for layer in caches:  # the next step leaves them pending: now the graph is read
+        layer.left_padding = layer.left_padding - 1
+    found = scan(caches).found
+    reading = sampler.read(found, 2, [0])
+    assert exports and reading.retained_buffers == graph.account([f.array for f in found]).retained_buffers > 0

@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from . import allocator, graph
 from . import forecast as fc
-from . import graph
 from .actions import ResourceLimitForecast, Warnings, remedy
 from .attribution import Attribution
 from .fix import Fixer, evaluated_output, resolvable, schedule_evaluation
@@ -420,6 +420,7 @@ class Watchdog:
     def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[tuple[str, mx.array]]:
         """Read every live cache (``roots`` and the others; None: no roots, only the caches
         followed); returns the roots' arrays found pending, with their sites."""
+        self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
         t0, cpu0 = time.perf_counter(), graph.cpu_clock()
         others = self._scope.others() if roots is not None else self._scope.members()
         roots = () if roots is None else roots
@@ -493,6 +494,7 @@ class Watchdog:
     def _fix(self, roots: Any, walked_pending: Optional[list[tuple[str, mx.array]]], step: int,
              sweep: bool = False) -> None:
         fixer = self._fixer
+        self._disown(allocator.settle())
         fix_started = time.perf_counter()
         failed = 0
         try:
@@ -597,6 +599,12 @@ class Watchdog:
         spent = time.perf_counter() - start
         self.overhead_seconds += spent
         self._schedule.spent += spent
+
+    def _disown(self, seconds: float) -> None:
+        """Seconds spent inside ``observe`` on the program's work, not the watchdog's
+        (``allocator.py``): out of its overhead and its budget (``observe`` adds its whole time)."""
+        self.overhead_seconds -= seconds
+        self._schedule.spent -= seconds
 
     def _internal_error(self, where: str, exc: BaseException) -> None:
         with self._lock:
