@@ -13,8 +13,10 @@
 #            hand, taking one-step turns (~8 minutes)
 #   diag     the same model for 1,200 steps with the diagnostic variants (the fix's work by hand,
 #            watched without the fix) and the per-node cost of evaluating the chains
-#   steady   the leak-free llama (48 layers, hidden 2048, bf16) through generate_step, 2 x 2,500
-#            steps: unwatched, A/A, watched, fix, taking one-step turns (~4 minutes)
+#   steady   the leak-free llama (48 layers, hidden 2048, bf16) through generate_step, repetitions
+#            of 1,000 steps until the time box ends them (each repetition builds its own decodes:
+#            the instances' own +/-1% averages out over many): unwatched, A/A, watched, fix,
+#            taking one-step turns
 #   wrapper  steady's model and design with the watchdog taken apart: watch_model with an
 #            observe() that does nothing (wrapped), observe() without walks (nowalk), watched,
 #            fix; nowalk against wrapped is the per-step path, watched against nowalk the walks
@@ -44,7 +46,7 @@ case "$PART" in
     "$PY" benchmarks/eval_cost.py --out "$OUT/eval_cost.md" ${EXTRA_EVAL:-}
     bench "${QWEN[@]}" --steps 1200 --chunk 16 --variants unwatched,aa,fix,async16,watched \
       --compare fix:async16,fix:watched ;;
-  steady) bench "${LLAMA[@]}" --steps 2500 --reps 2 --chunk 25 --interleave-steps --variants unwatched,aa,watched,fix ;;
+  steady) bench "${LLAMA[@]}" --steps 1000 --reps 40 --chunk 25 --interleave-steps --variants unwatched,aa,watched,fix ;;
   wrapper) bench "${LLAMA[@]}" --steps 2500 --reps 2 --chunk 25 --interleave-steps \
              --variants unwatched,aa,wrapped,nowalk,watched,fix --compare nowalk:wrapped,watched:nowalk,watched:wrapped ;;
   profile)

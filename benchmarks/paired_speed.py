@@ -8,9 +8,9 @@ stops starting rounds that would end past it, and the report is still written.
 
 The report (``paired_stats.py``): for each variant against ``unwatched`` (and the pairs in
 ``--compare``), tokens/s over the rounds both ran, a 95% bootstrap interval over rounds
-(stratified by repetition), and whether the interval excludes a loss of more than 1% or lies
+(drawing repetitions, then rounds within them), and whether the interval excludes a loss of more than 1% or lies
 within +/-1%. ``--report FILE...`` rebuilds it from the records of one or more runs (several
-10-minute calls on a GPU machine add up: their repetitions are strata of one bootstrap).
+10-minute calls on a GPU machine add up: their repetitions are drawn alike).
 
     # leaking hybrid over 10,000 tokens (2,500 steps x batch 4), on the H200:
     python benchmarks/paired_speed.py --model qwen3_next --layers 48 --hidden 2048 --vocab 32000 \\
@@ -195,7 +195,7 @@ def report(paths: list[str], compare: list[tuple[str, str]], run_filter=None) ->
                      f"{cpu} | {self_timed} | {retained} | {identical} |")
     slow = collections.Counter(stalled.values())
     lines += ["", "Ratio: tokens/s of the variant over the reference on the rounds both ran; interval: bootstrap "
-              "over rounds, stratified by repetition; `aa` is the A/A control (its interval should hold 0). "
+              "over repetitions and the rounds within them (each repetition builds its own decodes); `aa` is the A/A control (its interval should hold 0). "
               f"Stall rounds: one variant took over {STALL_FACTOR}x the round's median time per token (in one "
               "process a one-off cost, such as a kernel's first compile for a new shape, falls on whichever variant "
               "gets there first); the verdicts use the ratio without them. Stall rounds by slow variant: "

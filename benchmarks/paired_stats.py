@@ -3,9 +3,12 @@
 A *round* runs every variant of a repetition once, for one chunk of steps, in a random order, so
 two chunks of the same round are seconds apart and see the same machine. The ratio of variant A to
 variant B is the ratio of their tokens/s summed over the rounds both ran (the speed over the whole
-decode, not a mean of per-chunk ratios). Its interval comes from a bootstrap over rounds,
-stratified by repetition (each resample draws each repetition's rounds from that repetition): the
-machine's drift between repetitions is not mistaken for a difference between variants.
+decode, not a mean of per-chunk ratios). Its interval comes from a bootstrap at two levels:
+each resample draws repetitions (with replacement), then rounds within each drawn repetition. A
+repetition builds its own decodes, and on the H200 two identical decodes read up to 1% apart for
+a whole repetition (an A/A control: -1.02% in one, -0.26% in the next): an effect of the
+instance, which rounds drawn only within repetitions would take for a difference between
+variants, and call narrow. With one repetition it is the bootstrap over its rounds.
 """
 
 from __future__ import annotations
@@ -94,9 +97,10 @@ def stalls(table: dict, factor: float = STALL_FACTOR) -> dict[tuple, str]:
     return found
 
 
-def paired_ratio(table: dict, a: str, b: str, seed: int = 0, skip: Iterable = ()) -> Optional[Ratio]:
-    """Tokens/s of ``a`` over ``b`` on the rounds both ran (less ``skip``), with a stratified
-    bootstrap interval."""
+def paired_ratio(table: dict, a: str, b: str, seed: int = 0, skip: Iterable = (), levels: int = 2) -> Optional[Ratio]:
+    """Tokens/s of ``a`` over ``b`` on the rounds both ran (less ``skip``), with a bootstrap
+    interval: ``levels=2`` draws repetitions, then rounds within them; ``levels=1`` keeps every
+    repetition and draws only its rounds (blind to what differs between repetitions)."""
     keys = sorted((set(table.get(a, {})) & set(table.get(b, {}))) - set(skip))
     if not keys:
         return None
@@ -113,9 +117,15 @@ def paired_ratio(table: dict, a: str, b: str, seed: int = 0, skip: Iterable = ()
     strata = collections.defaultdict(list)
     for i, k in enumerate(keys):
         strata[k[:2]].append(i)
-    draws = [rng.choice(np.array(members), size=(BOOTSTRAP_RESAMPLES, len(members)))
-             for members in strata.values()]
-    samples = ratio(np.concatenate(draws, axis=1))
+    # Per repetition and resample, the sums of its drawn rounds: (tokens a, seconds a, tokens b, seconds b).
+    columns = np.stack([ta, sa, tb, sb])
+    sums = np.stack([columns[:, rng.choice(np.array(members), size=(BOOTSTRAP_RESAMPLES, len(members)))].sum(-1).T
+                     for members in strata.values()])  # (repetitions, resamples, 4)
+    reps = len(sums)
+    picked = (rng.integers(0, reps, size=(BOOTSTRAP_RESAMPLES, reps)) if levels == 2
+              else np.tile(np.arange(reps), (BOOTSTRAP_RESAMPLES, 1)))
+    totals = sums[picked, np.arange(BOOTSTRAP_RESAMPLES)[:, None]].sum(1)  # (resamples, 4)
+    samples = (totals[:, 0] / totals[:, 1]) / (totals[:, 2] / totals[:, 3])
     per_round = (ta / sa) / (tb / sb)
     q1, q3 = np.percentile(per_round, [25, 75])
     low, high = np.percentile(samples, [2.5, 97.5])

@@ -132,6 +132,26 @@ def test_paired_ratio_finds_a_known_slowdown_and_sets_stalls_aside():
     assert not slow.excludes_loss(0.01) and slow.excludes_loss(0.03)
 
 
+def test_the_interval_holds_what_differs_between_repetitions():
+    """An A/A pair whose decodes differ by a random +/-1% for a whole repetition (each repetition
+    builds its own), over 10 repetitions of quiet rounds: drawing only rounds, the interval is
+    narrow around the repetitions' mean offset and misses the true ratio of 1; drawing
+    repetitions too, it holds it."""
+    rng = random.Random(3)
+    table = {"unwatched": {}, "aa": {}}
+    offsets = [rng.gauss(0, 0.01) for _ in range(10)]
+    offsets = [o - sum(offsets) / 10 + 0.004 for o in offsets]  # a mean 0.4% off, as a sample may be
+    for rep, offset in enumerate(offsets):
+        for r in range(40):
+            speed = rng.uniform(0.8, 1.0)
+            table["unwatched"][("run", rep, r)] = (16, 16 / speed * rng.uniform(0.998, 1.002))
+            table["aa"][("run", rep, r)] = (16, 16 * (1 + offset) / speed * rng.uniform(0.998, 1.002))
+    rounds_only = paired_stats.paired_ratio(table, "aa", "unwatched", levels=1)
+    both = paired_stats.paired_ratio(table, "aa", "unwatched")
+    assert not rounds_only.low < 1 < rounds_only.high
+    assert both.low < 1 < both.high and both.high - both.low > 2 * (rounds_only.high - rounds_only.low)
+
+
 def test_paired_speed_writes_each_chunk_as_it_ends_and_reports_from_the_records(tmp_path, monkeypatch):
     records = tmp_path / "chunks.jsonl"
     monkeypatch.setattr(sys, "argv", ["paired_speed.py"])
