@@ -109,10 +109,6 @@ def paired_ratio(table: dict, a: str, b: str, seed: int = 0, skip: Iterable = ()
     tb = np.array([table[b][k][0] for k in keys], dtype=float)
     sb = np.array([table[b][k][1] for k in keys], dtype=float)
 
-    def ratio(index: np.ndarray) -> np.ndarray:
-        # rows of ``index`` are resamples; the speed of a over b on each
-        return (ta[index].sum(-1) / sa[index].sum(-1)) / (tb[index].sum(-1) / sb[index].sum(-1))
-
     rng = np.random.default_rng(seed)
     strata = collections.defaultdict(list)
     for i, k in enumerate(keys):
@@ -129,7 +125,8 @@ def paired_ratio(table: dict, a: str, b: str, seed: int = 0, skip: Iterable = ()
     per_round = (ta / sa) / (tb / sb)
     q1, q3 = np.percentile(per_round, [25, 75])
     low, high = np.percentile(samples, [2.5, 97.5])
-    return Ratio(a, b, float(ratio(np.arange(len(keys)))), float(low), float(high), len(keys), float(q3 - q1))
+    point = (ta.sum() / sa.sum()) / (tb.sum() / sb.sum())
+    return Ratio(a, b, float(point), float(low), float(high), len(keys), float(q3 - q1))
 
 
 def emit(text: str, out: Optional[str]) -> None:

@@ -186,12 +186,12 @@ class Sampler:
         if predicted is None:
             probe = self._probe(found, step)
             predicted = self.predicted_nodes(step) if probe is not None else None
-        if predicted is None and probe is None:
-            # Nothing pending: no graph holds a buffer, so an export (4x the cost of telling each
-            # array, measured on 96) adds nothing. Evaluated or scheduled, as samples tell them.
+        if predicted is None:
+            # The probe found nothing pending: no graph holds a buffer, so an export (4x the cost of
+            # telling each array, measured on 96) adds nothing. Evaluated or scheduled, as samples tell them.
             n = len(found)
             reading = Reading(list(found), [True] * n, [0.0] * n, [0.0] * n, 0, 0.0)
-        elif predicted is None or predicted <= limit:
+        elif predicted <= limit:
             reading = self._read_all(found, predicted)
         elif probe is not None:  # the probe was the sample: walking one array a site again would double the stall
             reading = self._read_probe(found, probe)
