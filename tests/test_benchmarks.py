@@ -12,6 +12,7 @@ sys.path.insert(0, BENCHMARKS)
 import decode_tokens_per_s  # noqa: E402
 import observe_cost  # noqa: E402
 import walk_and_fix_cost  # noqa: E402
+import walk_charge  # noqa: E402
 
 
 def table_rows(text: str) -> dict:
@@ -97,6 +98,14 @@ def test_walk_and_fix_cost_runs(capsys):
 
 
 import observe_stall  # noqa: E402
+
+
+def test_walk_charge_compares_two_trees(capsys):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert walk_charge.main(["--version", f"a={root}", "--version", f"b={root}", "--layers", "2", "--steps", "40",
+                             "--reps", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| a |", "| b |"))]
+    assert len(rows) == 2 and all(int(row.split("|")[3]) > 0 for row in rows)  # the dense walks of a decode
 
 
 def test_observe_stall_benchmark_runs(capsys):
