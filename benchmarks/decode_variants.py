@@ -40,9 +40,9 @@ from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_watchdog import Watchdog
-from mlx_watchdog.attach import unwatch_model, watch_model
-from mlx_watchdog.graph import account
-from mlx_watchdog.introspect import find_arrays
+from mlx_watchdog.attach.model import unwatch_model, watch_model
+from mlx_watchdog.core.graph import account
+from mlx_watchdog.core.arrays import find_arrays
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
 VARIANTS = ("unwatched", "aa", "handfix", "every256", "async16", "watched", "fix", "fix4", "fix16", "fixlow",

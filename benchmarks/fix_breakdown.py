@@ -48,9 +48,10 @@ def main(argv=None) -> int:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
-    from mlx_watchdog import Watchdog, core
-    from mlx_watchdog.attach import unwatch_model, watch_model
-    from mlx_watchdog.graph import account
+    from mlx_watchdog import Watchdog
+    from mlx_watchdog.core import watchdog as core
+    from mlx_watchdog.attach.model import unwatch_model, watch_model
+    from mlx_watchdog.core.graph import account
 
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()

@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from mlx_watchdog import Watchdog
-from mlx_watchdog.attach import watch_model
+from mlx_watchdog.attach.model import watch_model
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
 

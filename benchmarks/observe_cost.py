@@ -56,7 +56,7 @@ def walk_us(cache, repeats: int) -> float:
 
 def in_decode_us(model, cache, steps: int, **options) -> float:
     """Median growth of ``overhead_seconds`` over the decode steps that did not walk."""
-    from mlx_watchdog.attach import unwatch_model, watch_model
+    from mlx_watchdog.attach.model import unwatch_model, watch_model
 
     wd = Watchdog(export=False, **options)
     watch_model(model, wd)

@@ -29,7 +29,7 @@ Workloads:
   ``--stall-steps`` steps, each extending every chain by one more ``- 1``; default options. The
   worst single ``observe()`` is the stall. The forecast's ``resident_buffers`` is checked against
   the exact count, ``chains x (depth + steps)`` stranded scalars plus the ``chains`` evaluated
-  scalars at the chains' roots, and against ``mlx_watchdog.graph.account`` of the chains (run once
+  scalars at the chains' roots, and against ``mlx_watchdog.core.graph.account`` of the chains (run once
   at the end, untimed). A run stops early once its steps took ``--stall-cap-s`` seconds.
 
     python benchmarks/observe_stall.py                                  # defaults: ~3-5 min on 2 cores
@@ -152,8 +152,8 @@ def worker(args) -> int:
         # (the new engine's files may change while the benchmark runs).
         import mlx_lm.generate  # noqa: F401
 
-        import mlx_watchdog.attach  # noqa: F401
-        import mlx_watchdog.graph  # noqa: F401
+        import mlx_watchdog.attach.model  # noqa: F401
+        import mlx_watchdog.core.graph  # noqa: F401
         import mlx_watchdog.tiny  # noqa: F401
 
         imported = tree_hash(os.path.dirname(where))
@@ -281,7 +281,7 @@ class _WorkerState:
     def _leakfree(self, cmd: dict) -> dict:
         from mlx_lm.generate import generate_step
 
-        from mlx_watchdog.attach import unwatch_model, watch_model
+        from mlx_watchdog.attach.model import unwatch_model, watch_model
         from mlx_watchdog.tiny import tiny_prompts
 
         mx, model, steps = self.mx, self.model("llama"), cmd["steps"]
@@ -310,7 +310,7 @@ class _WorkerState:
     def _leaking(self, cmd: dict) -> dict:
         from mlx_lm.generate import BatchGenerator
 
-        from mlx_watchdog.attach import unwatch_model, watch_model
+        from mlx_watchdog.attach.model import unwatch_model, watch_model
         from mlx_watchdog.tiny import tiny_prompts
 
         model, steps = self.model("qwen3_next"), cmd["steps"]
@@ -340,7 +340,7 @@ class _WorkerState:
         return result
 
     def _stall(self, cmd: dict) -> dict:
-        from mlx_watchdog.graph import account
+        from mlx_watchdog.core.graph import account
 
         mx = self.mx
         if not self.watched:
@@ -794,7 +794,7 @@ def report(args, variants, engines, workers, results, orders, errors, notes, bef
                          "`forecast resident` is the forecast's resident_buffers after the last step (the step of its "
                          "last walk in brackets); "
                          "`exact` = chains x (depth + steps run) stranded scalars + chains evaluated roots; "
-                         "`account()` = mlx_watchdog.graph.account of the chains after the last step "
+                         "`account()` = mlx_watchdog.core.graph.account of the chains after the last step "
                          "(retained + evaluated), each engine's own.")
             lines.append("")
     if errors:

@@ -34,8 +34,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from mlx_watchdog import Watchdog
-from mlx_watchdog.attach import unwatch_model, watch_model
-from mlx_watchdog.prefill import install
+from mlx_watchdog.attach.model import unwatch_model, watch_model
+from mlx_watchdog.attach.prefill import install
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
 

@@ -44,7 +44,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from mlx_watchdog import Watchdog
-from mlx_watchdog.attach import watch_model
+from mlx_watchdog.attach.model import watch_model
 from mlx_watchdog.exporters.prometheus import register_collector, start_metrics_server
 from mlx_watchdog.tiny import build_model, tiny_prompts
 

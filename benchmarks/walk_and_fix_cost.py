@@ -25,8 +25,8 @@ import mlx.core as mx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_variants import Decode, make_model, prompts_for  # noqa: E402
 
-from mlx_watchdog.graph import account, export_dot, is_evaluated  # noqa: E402
-from mlx_watchdog.introspect import find_arrays  # noqa: E402
+from mlx_watchdog.core.graph import account, export_dot, is_evaluated  # noqa: E402
+from mlx_watchdog.core.arrays import find_arrays  # noqa: E402
 
 
 def timed(results: dict, key: str, fn):

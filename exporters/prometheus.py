@@ -32,8 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
 from .. import __version__
-from ..core import Watchdog, live_watchdogs
-from ..limits import device_name
+from ..core.watchdog import Watchdog, live_watchdogs
+from ..core.limits import device_name
 from .http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, BoundedHTTPServer
 
 logger = logging.getLogger("mlx_watchdog")

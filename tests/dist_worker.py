@@ -22,7 +22,7 @@ import mlx.core as mx
 
 import mlx_watchdog  # before init: records the group mx.distributed.init() returns
 from mlx_watchdog import ResourceLimitForecast, Watchdog
-from mlx_watchdog.attach import watch
+from mlx_watchdog import watch
 from mlx_watchdog.exporters.prometheus import default_metrics_port
 
 

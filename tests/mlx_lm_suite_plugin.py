@@ -47,7 +47,7 @@ def _model_classes():
 
 def _wrap_init(cls) -> None:
     from mlx_watchdog import Watchdog
-    from mlx_watchdog.attach import watch_model
+    from mlx_watchdog.attach.model import watch_model
 
     original = cls.__init__  # its own, or the one it inherits (qwen3_5_moe's is qwen3_5's)
 

@@ -115,13 +115,13 @@ def _batch_size(roots) -> int | None:
 
 
 def _steps() -> int:
-    from mlx_watchdog.core import live_watchdogs
+    from mlx_watchdog.core.watchdog import live_watchdogs
 
     return sum(wd.steps for wd in live_watchdogs())
 
 
 def _install_hooks() -> None:
-    from mlx_watchdog import core
+    from mlx_watchdog.core import watchdog as core
 
     original_observe = core.Watchdog.observe
 
@@ -193,7 +193,7 @@ def main(argv: list[str]) -> int:
     port = os.environ.get("ORACLE_PORT")
     if port:
         _serve_endpoint(int(port), float(os.environ.get("ORACLE_WAIT", "1.0")))
-    from mlx_watchdog import serve
+    from mlx_watchdog.commands import serve
 
     return serve.main(argv)
 

@@ -36,7 +36,7 @@ from mlx_lm.generate import BatchGenerator
 from prometheus_client import CollectorRegistry
 
 from mlx_watchdog import Watchdog
-from mlx_watchdog.attach import unwatch_model, watch_model
+from mlx_watchdog.attach.model import unwatch_model, watch_model
 from mlx_watchdog.exporters.prometheus import WatchdogCollector, start_metrics_server
 from mlx_watchdog.tiny import build_model, tiny_prompts
 from support import (JOB, LOOPBACK, log_tail, prom_api, prom_query, require_binary, start_alertmanager,

@@ -10,7 +10,8 @@ import time
 import mlx.core as mx
 import pytest
 
-from mlx_watchdog import Watchdog, allocator
+from mlx_watchdog import Watchdog
+from mlx_watchdog.core import allocator
 
 
 class _MallInfo2(ctypes.Structure):

@@ -23,8 +23,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerFast
 
 from mlx_watchdog import Watchdog, tiny
-from mlx_watchdog.attach import unwatch_model, watch, watch_model, watch_step, watched_state
-from mlx_watchdog.graph import account, is_evaluated
+from mlx_watchdog.attach.model import unwatch_model, watch_model, watched_state
+from mlx_watchdog import watch, watch_step
+from mlx_watchdog.core.graph import account, is_evaluated
 
 mlx_lm_generate = importlib.import_module("mlx_lm.generate")  # the module (mlx_lm.generate is also a function)
 
@@ -532,7 +533,7 @@ def test_forecast_from_another_thread_during_a_batched_decode(hybrid):
 def test_overlapping_decorated_calls_keep_the_model_watched_until_the_last_ends():
     import threading as _threading
 
-    from mlx_watchdog.attach import watch as _watch
+    from mlx_watchdog import watch as _watch
 
     model = tiny.build_model("llama", layers=2)
     original = type(model)

@@ -18,9 +18,10 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import ArraysCache
 
-from mlx_watchdog import Watchdog, attribution
-from mlx_watchdog.attach import unwatch_model, watch_model
-from mlx_watchdog.forecast import Forecast, Leak
+from mlx_watchdog import Watchdog
+from mlx_watchdog.core import attribution
+from mlx_watchdog.attach.model import unwatch_model, watch_model
+from mlx_watchdog.core.forecast import Forecast, Leak
 from mlx_watchdog.tiny import build_model, tiny_prompts
 from support import exact_counter
 
@@ -195,7 +196,8 @@ def test_leaks_keep_their_fields_and_gain_a_source():
 def test_diagnose_reports_the_source_line(tmp_path, capsys):
     import json
 
-    from mlx_watchdog import cli, tiny
+    from mlx_watchdog import tiny
+    from mlx_watchdog.commands import main as cli
 
     model_dir = tiny.save_model_dir(tmp_path / "hybrid", "qwen3_next", layers=8)
     assert cli.main(["diagnose", "--model", str(model_dir), "--steps", "40", "--batch", "--json"]) == 1

@@ -49,7 +49,7 @@ def test_diagnostic_variants_take_apart_what_they_say():
     from mlx_lm.models.cache import make_prompt_cache
 
     import mlx.core as mx
-    from mlx_watchdog.attach import unwatch_model, watch_model
+    from mlx_watchdog.attach.model import unwatch_model, watch_model
     from mlx_watchdog.tiny import build_model
 
     model = build_model("llama", layers=2)

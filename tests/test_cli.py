@@ -24,7 +24,10 @@ import mlx.core as mx
 import pytest
 from rich.console import Console
 
-from mlx_watchdog import cli, demo, diagnose, tiny
+from mlx_watchdog import tiny
+from mlx_watchdog.commands import main as cli
+from mlx_watchdog.commands import demo
+from mlx_watchdog.commands import diagnose
 
 REPO = Path(__file__).resolve().parents[1]
 LEFT_PADDING = "ArraysCache.left_padding"
@@ -151,7 +154,7 @@ def test_demo_of_a_model_mlx_lm_cannot_batch_names_the_plain_path():
 
 def test_demo_console_script_runs_in_a_subprocess():
     script = Path(sys.executable).with_name("mlx-watchdog")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog"]
     start = time.monotonic()
     done = subprocess.run([*command, "demo", "--max-tokens", "40", "--metrics-port", "0"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -390,7 +393,7 @@ def test_to_the_limit_reports_children_that_end_without_a_failing_step():
 # --------------------------------------------------------------------------- serve dispatch
 
 def test_serve_gets_its_options_and_the_server_argv(monkeypatch):
-    from mlx_watchdog import serve
+    from mlx_watchdog.commands import serve
 
     seen = {}
 
@@ -450,7 +453,7 @@ def test_serve_without_the_double_dash_gets_a_hint(capsys):
 
 
 def test_demo_json_is_one_document_and_its_plot_has_the_data(capsys, tmp_path):
-    from mlx_watchdog import plot
+    from mlx_watchdog.commands import plot
 
     picture = tmp_path / "demo.svg"
     status, out, err = run_main(capsys, "demo", "-m", 40, "--no-metrics", "--json", "--plot", picture)
@@ -494,7 +497,7 @@ def _check_figure(figure, run: dict, limit: float) -> None:
 
 
 def test_diagnose_plot_png_and_table_not_cut_at_80_columns(capsys, model_dirs, tmp_path):
-    from mlx_watchdog import plot
+    from mlx_watchdog.commands import plot
 
     picture = tmp_path / "leak.png"
     status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "-m", 40, "--plot", picture)
@@ -538,20 +541,21 @@ def test_plot_without_matplotlib_is_one_line_and_fails_before_decoding(tmp_path)
 
 # --------------------------------------------------------------------------- imports
 
-@pytest.mark.parametrize("module", ["cli_common", "demo", "diagnose", "serve", "plot"])
+@pytest.mark.parametrize("module", ["commands.common", "commands.demo", "commands.diagnose", "commands.serve",
+                                    "commands.plot"])
 def test_subcommand_modules_do_not_import_the_entry_point(module):
-    code = f"import sys, mlx_watchdog.{module}; print('mlx_watchdog.cli' in sys.modules)"
+    code = f"import sys, mlx_watchdog.{module}; print('mlx_watchdog.commands.main' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr
 
 
 def test_attachment_points_import_lazily_from_the_package():
     code = ("import sys, mlx_watchdog\n"
-            "print('mlx_watchdog.attach' in sys.modules)\n"
+            "print('mlx_watchdog.attach.model' in sys.modules)\n"
             "from mlx_watchdog import watch, watch_model, unwatch_model, watch_step\n"
-            "import mlx_watchdog.attach as attach\n"
-            "print(all(getattr(attach, n) is getattr(mlx_watchdog, n) for n in "
-            "('watch', 'watch_model', 'unwatch_model', 'watch_step')))\n"
+            "from mlx_watchdog.attach import decorator, model, step\n"
+            "print(decorator.watch is watch and model.watch_model is watch_model "
+            "and model.unwatch_model is unwatch_model and step.watch_step is watch_step)\n"
             "print(set(mlx_watchdog.__all__) <= set(dir(mlx_watchdog)))\n"
             "try:\n    mlx_watchdog.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -563,7 +567,7 @@ def test_attachment_points_import_lazily_from_the_package():
 
 def _serve(*argv, timeout=120):
     script = Path(sys.executable).with_name("mlx-watchdog")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog"]
     start = time.monotonic()
     done = subprocess.run([*command, "serve", *map(str, argv)], capture_output=True, text=True, timeout=timeout)
     return done, time.monotonic() - start

@@ -7,10 +7,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 
-from mlx_watchdog import Watchdog, core, find_arrays, materialize, schedule
-from mlx_watchdog import forecast as fcast
-from mlx_watchdog.attach import watch_model
-from mlx_watchdog.graph import account, is_evaluated
+from mlx_watchdog import Watchdog, find_arrays, materialize
+from mlx_watchdog.core import watchdog as core
+from mlx_watchdog.core import schedule
+from mlx_watchdog.core import forecast as fcast
+from mlx_watchdog.attach.model import watch_model
+from mlx_watchdog.core.graph import account, is_evaluated
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
 
@@ -177,7 +179,7 @@ def test_bad_limits_are_rejected_with_a_clear_error(bad):
 
 
 def test_default_limit_is_the_device_limit_or_499000():
-    from mlx_watchdog.limits import device_resource_limit
+    from mlx_watchdog.core.limits import device_resource_limit
 
     assert Watchdog().limit == (device_resource_limit() or 499_000)
 
@@ -206,7 +208,7 @@ def test_roots_without_arrays_warn_once_and_do_not_crash(caplog):
 
 
 def test_internal_failures_are_counted_and_the_decode_goes_on(monkeypatch, caplog):
-    from mlx_watchdog import sampling
+    from mlx_watchdog.core import sampling
 
     def broken(arrays, **_):
         raise RuntimeError("walk failed")
@@ -275,7 +277,8 @@ def fake_decode(wd, cache, clock, steps):
 
 
 def use_clock(monkeypatch, clock):
-    from mlx_watchdog import graph, sampling
+    from mlx_watchdog.core import graph
+    from mlx_watchdog.core import sampling
 
     monkeypatch.setattr(core, "time", clock)
     monkeypatch.setattr(sampling, "time", clock)
@@ -284,7 +287,7 @@ def use_clock(monkeypatch, clock):
 
 def charge_walks(monkeypatch, clock, cost):
     """Make each walk take ``cost(reading)`` seconds of the fake clock."""
-    from mlx_watchdog import sampling
+    from mlx_watchdog.core import sampling
 
     real_account = sampling.account
 
@@ -354,7 +357,7 @@ def test_a_walk_that_waited_for_a_core_does_not_space_out_the_next(monkeypatch):
     # On a loaded machine a walk's wall time includes the time it waited for a core (measured
     # beside two busy processes: up to 3.9x its CPU time). One 50 ms wait must not push the next
     # walk 50 s of decode away (a thousandth of decode, sized by wall time), blinding the watchdog.
-    from mlx_watchdog import sampling
+    from mlx_watchdog.core import sampling
 
     clock = FakeClock()
     monkeypatch.setattr(core, "time", clock)

@@ -19,7 +19,7 @@ import pytest
 from support import find_binary, free_port_run, log_tail, prom_query, require_binary, start_prometheus, stop_process
 
 from mlx_watchdog import ResourceLimitForecast, Watchdog
-from mlx_watchdog import distributed as dist
+from mlx_watchdog.attach import distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "dist_worker.py"

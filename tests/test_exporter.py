@@ -36,9 +36,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import mlx_watchdog
 from mlx_watchdog import Watchdog
-from mlx_watchdog.attach import unwatch_model, watch, watch_model
+from mlx_watchdog.attach.model import unwatch_model, watch_model
+from mlx_watchdog import watch
 from mlx_watchdog.exporters import prometheus as exporter
-from mlx_watchdog.limits import device_name
+from mlx_watchdog.core.limits import device_name
 from mlx_watchdog.tiny import build_model, tiny_prompts
 from support import free_port, http_get, log_tail, prom_query, require_binary, start_prometheus, stop_process
 

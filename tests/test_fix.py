@@ -22,11 +22,12 @@ from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-from mlx_watchdog import actions
-from mlx_watchdog import fix as fix_module
-from mlx_watchdog import Forecast, ResourceLimitForecast, Watchdog, core, find_arrays, tiny
-from mlx_watchdog.attach import unwatch_model, watch_model
-from mlx_watchdog.graph import account, is_evaluated
+from mlx_watchdog.core import actions
+from mlx_watchdog.core import fix as fix_module
+from mlx_watchdog import Forecast, ResourceLimitForecast, Watchdog, find_arrays, tiny
+from mlx_watchdog.core import watchdog as core
+from mlx_watchdog.attach.model import unwatch_model, watch_model
+from mlx_watchdog.core.graph import account, is_evaluated
 
 LEAK_LAYERS = 4  # qwen3_next, full attention every 4th layer: 3 linear-attention layers
 LEAK_RATE = LEAK_LAYERS - LEAK_LAYERS // 4 - 1  # (linear layers - 1) buffers per batched step

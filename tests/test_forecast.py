@@ -6,7 +6,7 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_watchdog.forecast import (RECENT_POINTS, RECENT_SPAN, epoch_slope, robust_slope, seconds_from_steps,
+from mlx_watchdog.core.forecast import (RECENT_POINTS, RECENT_SPAN, epoch_slope, robust_slope, seconds_from_steps,
                                    steps_to_limit)
 
 
@@ -114,7 +114,7 @@ def test_a_level_shift_inside_an_epoch_is_no_growth():
 
 
 def test_describe_says_when_the_limit_comes_or_that_it_does_not():
-    from mlx_watchdog.forecast import Forecast
+    from mlx_watchdog.core.forecast import Forecast
 
     flat = Forecast(step=10, resident_buffers=100, limit=1000, buffers_per_step=0.0,
                     steps_to_limit=math.inf, seconds_to_limit=math.inf)

@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 
-from mlx_watchdog.graph import account, graph_size, is_evaluated
+from mlx_watchdog.core.graph import account, graph_size, is_evaluated
 
 
 def _evaluated(*shape_values):

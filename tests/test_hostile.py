@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlx_watchdog import Watchdog, find_arrays, materialize
-from mlx_watchdog import introspect
-from mlx_watchdog.graph import account, is_evaluated
-from mlx_watchdog.introspect import resolve, scan
+from mlx_watchdog.core import arrays as introspect
+from mlx_watchdog.core.graph import account, is_evaluated
+from mlx_watchdog.core.arrays import resolve, scan
 
 CALLS: list[str] = []
 ARMED = [False]

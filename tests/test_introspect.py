@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_watchdog import find_arrays
-from mlx_watchdog.introspect import resolve, scan
+from mlx_watchdog.core.arrays import resolve, scan
 
 
 class Slotted:
@@ -216,8 +216,9 @@ def test_walked_caches_keep_their_inline_attributes(inline, monkeypatch):
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_watchdog import Watchdog, rawread, tiny, watch_model
-    from mlx_watchdog.introspect import scan_all
+    from mlx_watchdog import Watchdog, tiny, watch_model
+    from mlx_watchdog.core import objects as rawread
+    from mlx_watchdog.core.arrays import scan_all
 
     monkeypatch.setattr(rawread, "INLINE_VALUES", inline)
     monkeypatch.setattr(rawread, "_types", {})  # names learnt by earlier tests start again
@@ -256,7 +257,7 @@ def test_attributes_read_by_name_are_the_instance_dict(changes):
     """Whatever the instance holds (attributes its class assigns, ones set from outside, a
     shadowed class default, a deleted one, a non-identifier key, an entry hidden behind a
     property), the walk reads exactly what ``vars()`` shows afterwards."""
-    from mlx_watchdog import rawread
+    from mlx_watchdog.core import objects as rawread
 
     objs = []
     for i in range(3):  # several instances of one class: names learnt on one serve the others
@@ -294,7 +295,7 @@ def test_attributes_read_by_name_are_the_instance_dict(changes):
 def test_a_property_added_to_the_class_after_a_walk_is_never_called():
     """Names read by name are checked again at each walk, and before each path is followed: a
     property put on the class since (a monkeypatch) would run under object.__getattribute__."""
-    from mlx_watchdog.introspect import scan_all
+    from mlx_watchdog.core.arrays import scan_all
 
     class Late:
         def __init__(self):

@@ -31,7 +31,7 @@ def test_wheel_holds_mlx_watchdog_and_imports(tmp_path):
     assert "mlx_watchdog/exporters/prometheus.py" in names
     assert not any(n.startswith("watchdog/") or n.startswith("exporters/") for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "mlx-watchdog = mlx_watchdog.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "mlx-watchdog = mlx_watchdog.commands.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
     target = tmp_path / "site"
     install = subprocess.run(

@@ -10,22 +10,12 @@ import numpy as np
 import pytest
 
 from mlx_watchdog import ResourceLimitForecast, Watchdog
-from mlx_watchdog.attach import unwatch_model, watch_model, watched_state
-from mlx_watchdog.graph import graph_size, is_evaluated
-from mlx_watchdog.introspect import find_arrays
-from mlx_watchdog.prefill import (
-    UNBOUNDED_TOKENS,
-    LineFit,
-    PrefillGuard,
-    ServerPrefillAdapter,
-    adapt_server_prefill,
-    fit_line,
-    install,
-    installed_guard,
-    largest_safe_chunk,
-    measure_chunk,
-    safe_prefill_report,
-)
+from mlx_watchdog.attach.model import unwatch_model, watch_model, watched_state
+from mlx_watchdog.core.graph import graph_size, is_evaluated
+from mlx_watchdog.core.arrays import find_arrays
+from mlx_watchdog.attach.prefill import PrefillGuard, install, installed_guard, safe_prefill_report
+from mlx_watchdog.attach.server import ServerPrefillAdapter, adapt_server_prefill
+from mlx_watchdog.core.chunks import UNBOUNDED_TOKENS, LineFit, fit_line, largest_safe_chunk, measure_chunk
 from mlx_watchdog.tiny import build_model
 from mlx_lm.models.cache import make_prompt_cache
 

@@ -19,8 +19,11 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 import exact_buffers
-from mlx_watchdog import Watchdog, graph, sampling
-from mlx_watchdog.attach import unwatch_model, watch, watch_model
+from mlx_watchdog import Watchdog
+from mlx_watchdog.core import graph
+from mlx_watchdog.core import sampling
+from mlx_watchdog.attach.model import unwatch_model, watch_model
+from mlx_watchdog import watch
 from mlx_watchdog.exporters.prometheus import WatchdogCollector
 from mlx_watchdog.tiny import build_model, tiny_prompts
 from support import missing
@@ -84,7 +87,8 @@ def test_short_batched_decodes_under_load_read_the_leak_within_64_steps(counter,
 
 
 def test_diagnose_with_defaults_under_load_finds_the_leak(tmp_path):
-    from mlx_watchdog import cli, tiny
+    from mlx_watchdog import tiny
+    from mlx_watchdog.commands import main as cli
 
     model_dir = tiny.save_model_dir(tmp_path / "hybrid", "qwen3_next", layers=8)
     with cpu_load():
@@ -196,7 +200,7 @@ class Clock:
 
 
 def test_470k_nodes_in_47_chains_are_read_by_sample_within_5_percent(monkeypatch):
-    from mlx_watchdog import core
+    from mlx_watchdog.core import watchdog as core
 
     clock = Clock()
     monkeypatch.setattr(core, "time", clock)  # the sampler still times its walks for real
@@ -308,7 +312,7 @@ def test_after_a_generation_nothing_is_forecast_to_grow():
 
 
 def test_a_pause_in_the_steps_reads_idle_and_the_next_steps_are_measured_afresh(monkeypatch):
-    from mlx_watchdog import core
+    from mlx_watchdog.core import watchdog as core
 
     clock = Clock()
     monkeypatch.setattr(core, "time", clock)

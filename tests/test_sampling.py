@@ -18,9 +18,9 @@ import mlx.core as mx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_watchdog import graph
-from mlx_watchdog.introspect import scan
-from mlx_watchdog.sampling import Sampler
+from mlx_watchdog.core import graph
+from mlx_watchdog.core.arrays import scan
+from mlx_watchdog.core.sampling import Sampler
 
 
 class Layer:
@@ -99,7 +99,7 @@ def test_a_first_reading_is_the_walk_of_everything(states, depth):
 
 
 def test_a_reading_with_nothing_pending_exports_no_graph(monkeypatch):
-    from mlx_watchdog import sampling
+    from mlx_watchdog.core import sampling
 
     exports = []
     real = sampling.account

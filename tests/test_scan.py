@@ -12,7 +12,9 @@ import re
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from mlx_watchdog import cli, families, scan
+from mlx_watchdog.commands import main as cli
+from mlx_watchdog.tiny import families
+from mlx_watchdog.commands import scan
 
 ADVANCE = re.compile(r"^mlx_lm/models/cache\.py:\d+ ArraysCache\.advance$")
 OFFSET = re.compile(r"^mlx_lm/models/cache\.py:\d+ BatchKVCache\.update_and_fetch$")
@@ -33,7 +35,7 @@ def report(tmp_path_factory):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "mlx_watchdog.cli", "scan", "qwen3_next", "llama",
+    out = subprocess.run([sys.executable, "-m", "mlx_watchdog", "scan", "qwen3_next", "llama",
                           "no_such_family", "--layers", "8", "--steps", "48", "--paths", "plain,batched",
                           "--jobs", "2", "--json", "--fail-on-leak"], capture_output=True, text=True, timeout=300)
     return out.returncode, json.loads(out.stdout), out.stderr
@@ -103,8 +105,8 @@ def test_a_batch_that_shrinks_in_place_reads_flat_as_the_exact_count():
     from support import exact_counter
 
     from mlx_watchdog import tiny
-    from mlx_watchdog.attach import unwatch_model, watch_model
-    from mlx_watchdog.core import Watchdog
+    from mlx_watchdog.attach.model import unwatch_model, watch_model
+    from mlx_watchdog.core.watchdog import Watchdog
 
     counter = exact_counter()
     model = families.build("mamba")

@@ -9,7 +9,7 @@ never be True while the marks are not reached."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_watchdog.schedule import Schedule
+from mlx_watchdog.core.schedule import Schedule
 
 events = st.lists(st.tuples(
     st.sampled_from(["step"] * 12 + ["epoch", "join", "spend"]),

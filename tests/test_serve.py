@@ -1,6 +1,6 @@
-"""Tests of ``mlx-watchdog serve`` (mlx_watchdog.serve): the real mlx_lm.server, watched.
+"""Tests of ``mlx-watchdog serve`` (mlx_watchdog.commands.serve): the real mlx_lm.server, watched.
 
-The end-to-end tests start ``python -m mlx_watchdog.serve`` on free loopback ports with a tiny
+The end-to-end tests start ``python -m mlx_watchdog.commands.serve`` on free loopback ports with a tiny
 random-weight hybrid model (qwen3_next, 8 layers: 6 linear-attention layers) written by the test,
 talk to it with the ``openai`` client as users do, and read the metrics endpoint.
 """
@@ -25,9 +25,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlx_watchdog import serve, tiny
-from mlx_watchdog.core import ResourceLimitForecast, live_watchdogs
-from mlx_watchdog.forecast import Forecast
+from mlx_watchdog import tiny
+from mlx_watchdog.attach import server as server_hooks
+from mlx_watchdog.commands import serve
+from mlx_watchdog.core.watchdog import ResourceLimitForecast, live_watchdogs
+from mlx_watchdog.core.forecast import Forecast
 
 LAYERS = 8
 NO_EOS = {str(tiny.EOS_ID): -100}  # a random model may say EOS anywhere: keep completions long
@@ -87,13 +89,13 @@ def metric(samples: dict, name: str, **labels) -> float:
 
 
 class Served:
-    """A running ``python -m mlx_watchdog.serve`` subprocess on free loopback ports."""
+    """A running ``python -m mlx_watchdog.commands.serve`` subprocess on free loopback ports."""
 
     def __init__(self, model_dir: Path, workdir: Path, watchdog_args: list[str], cli: bool = False):
         self.port, self.metrics_port = _free_port(), _free_port()
         self.log = workdir / f"serve-{self.port}.log"
         # cli: the user's command, `mlx-watchdog serve` (its module, so no console script is needed)
-        entry = ["mlx_watchdog.cli", "serve"] if cli else ["mlx_watchdog.serve"]
+        entry = ["mlx_watchdog", "serve"] if cli else ["mlx_watchdog.commands.serve"]
         command = [sys.executable, "-m", *entry, "--metrics-port", str(self.metrics_port),
                    *watchdog_args, "--", "--model", str(model_dir), "--port", str(self.port),
                    "--host", "127.0.0.1", "--prompt-cache-size", "2"]
@@ -213,7 +215,7 @@ def test_stop_ends_the_requests_and_the_server_goes_on(start_server):
     # ~130 parameter buffers + 5 per step: the forecast reaches 1200 - 5 * 50 after ~160 steps.
     served = start_server("--limit", "1200", "--stop-within", "50", *BUDGET, cli=True)
     stopped = served.stream(PROMPT, 600)
-    assert stopped["finish_reason"] == serve.STOP_FINISH_REASON, (stopped["chunks"], served.output()[-2000:])
+    assert stopped["finish_reason"] == server_hooks.STOP_FINISH_REASON, (stopped["chunks"], served.output()[-2000:])
     assert 0 < stopped["chunks"] < 600 and stopped["text"]
 
     m = served.metrics()
@@ -242,10 +244,10 @@ def test_stop_on_the_unbatched_path(start_server):
         stream = served.client.completions.create(model="default_model", prompt=PROMPT, max_tokens=32,
                                                   stream=True, seed=1)
         finish = [c.choices[0].finish_reason for c in stream if c.choices[0].finish_reason]
-        assert finish == [serve.STOP_FINISH_REASON]
+        assert finish == [server_hooks.STOP_FINISH_REASON]
         whole = served.client.completions.create(model="default_model", prompt=PROMPT, max_tokens=32,
                                                  seed=1)
-        assert whole.choices[0].finish_reason == serve.STOP_FINISH_REASON and whole.choices[0].text == ""
+        assert whole.choices[0].finish_reason == server_hooks.STOP_FINISH_REASON and whole.choices[0].text == ""
         assert served.healthy()
     assert metric(served.metrics(), "mlx_watchdog_stops_total", reason="forecast") >= 4
 
@@ -324,7 +326,7 @@ def test_main_reports_a_busy_metrics_port(capsys):
 
 
 def test_main_checks_the_server_arguments_before_it_starts(capsys, tmp_path):
-    """`python -m mlx_watchdog.serve` too: mlx_lm.server's parsed arguments are checked before
+    """`python -m mlx_watchdog.commands.serve` too: mlx_lm.server's parsed arguments are checked before
     it listens (its own run() would hang on a busy port or answer 503 for a missing model)."""
     before = _hooked()
     missing = tmp_path / "gone"
@@ -347,12 +349,12 @@ def test_main_checks_the_server_arguments_before_it_starts(capsys, tmp_path):
 def _hooked():
     import mlx_lm.server as server
 
-    return {(c, m): getattr(server, c).__dict__[m] for c, m in serve._HOOK_POINTS}
+    return {(c, m): getattr(server, c).__dict__[m] for c, m in server_hooks._HOOK_POINTS}
 
 
 def test_attach_detach_is_symmetric():
     before = _hooked()
-    hooks = serve.ServerHooks({"fix": True})
+    hooks = server_hooks.ServerHooks({"fix": True})
     with hooks:
         during = _hooked()
         assert all(during[k] is not before[k] for k in before)
@@ -414,12 +416,12 @@ def test_run_in_process_watches_and_restores(model_dir, tmp_path):
 
 
 def test_adapt_prefill_sets_the_server_prefill_step(monkeypatch):
-    from mlx_watchdog import prefill
-    from mlx_watchdog.core import Watchdog
+    from mlx_watchdog.attach import prefill
+    from mlx_watchdog.core.watchdog import Watchdog
 
     calls = []
     monkeypatch.setattr(prefill, "install", lambda wd, model, on_safe_size: calls.append((wd, model, on_safe_size)))
-    hooks = serve.ServerHooks({}, adapt_prefill=True)
+    hooks = server_hooks.ServerHooks({}, adapt_prefill=True)
     provider = argparse.Namespace(cli_args=argparse.Namespace(prefill_step_size=2048))
     watchdog, model = Watchdog(export=False), object()
     hooks._install_prefill(watchdog, model, provider)
@@ -443,12 +445,12 @@ class _FakeGenerator:
 def test_batch_stop_ends_started_requests_and_requeues_waiting_ones():
     import mlx_lm.server as server
 
-    hooks = serve.ServerHooks({})
+    hooks = server_hooks.ServerHooks({})
     generator = _FakeGenerator()
     queues = [Queue() for _ in range(4)]
     channels = []
     for q in queues:
-        channel = serve._Channel(hooks, q, (q, f"request-{len(channels)}", "args"))
+        channel = server_hooks._Channel(hooks, q, (q, f"request-{len(channels)}", "args"))
         hooks._track(generator, channel)
         channels.append(channel)
     context = server.GenerationContext(False, False, None, None, "normal", [1, 2])
@@ -463,7 +465,7 @@ def test_batch_stop_ends_started_requests_and_requeues_waiting_ones():
 
     got = [queues[0].get_nowait() for _ in range(queues[0].qsize())]
     assert got[0] is context and got[1].text == "a"
-    assert got[2].finish_reason == serve.STOP_FINISH_REASON and got[2].text == "" and got[3] is None
+    assert got[2].finish_reason == server_hooks.STOP_FINISH_REASON and got[2].text == "" and got[3] is None
     assert queues[1].qsize() == 2  # untouched: it had ended
     assert queues[2].empty() and queues[3].empty()
     requeued = [generator.requests.get_nowait() for _ in range(generator.requests.qsize())]
@@ -475,20 +477,20 @@ def test_a_stop_put_on_the_queue_becomes_the_final_chunk():
     # mlx-lm's unbatched path puts any exception on the response queue.
     import mlx_lm.server as server
 
-    hooks = serve.ServerHooks({})
+    hooks = server_hooks.ServerHooks({})
     queue = Queue()
-    channel = serve._Channel(hooks, queue, (queue, None, None))
+    channel = server_hooks._Channel(hooks, queue, (queue, None, None))
     channel.put(server.GenerationContext(False, False, None, None, "normal", [1]))
     forecast = Forecast(step=1, resident_buffers=200, limit=100, buffers_per_step=0.0,
                         steps_to_limit=0.0, seconds_to_limit=0.0)
     channel.put(ResourceLimitForecast(forecast))
     channel.put(ValueError("after the end"))  # forwarded as is: the handler stopped reading
     items = [queue.get_nowait() for _ in range(queue.qsize())]
-    assert items[1].finish_reason == serve.STOP_FINISH_REASON and items[2] is None
+    assert items[1].finish_reason == server_hooks.STOP_FINISH_REASON and items[2] is None
     assert channel.finished and not channel.stop(ResourceLimitForecast(forecast))
     # Not started: the handler gets an error it answers with {"error": ...}.
     queue = Queue()
-    channel = serve._Channel(hooks, queue, (queue, None, None))
+    channel = server_hooks._Channel(hooks, queue, (queue, None, None))
     channel.put(ResourceLimitForecast(forecast))
     error = queue.get_nowait()
     assert isinstance(error, RuntimeError) and "resource limit" in str(error)

@@ -1,6 +1,6 @@
 """``mlx-watchdog serve`` under a busy continuous batch, checked against the exact buffer count.
 
-The server runs through tests/serve_with_oracle.py: the real ``python -m mlx_watchdog.serve``
+The server runs through tests/serve_with_oracle.py: the real ``python -m mlx_watchdog.commands.serve``
 with tests/exact_buffers.py's counter installed before anything allocates. The oracle's
 ``/live`` endpoint reads the true live-buffer count on the generation thread at the entry of its
 next forward pass (synchronized, exact, with the watchdog's step count), and its JSON-lines log
@@ -30,7 +30,9 @@ import pytest
 from support import missing
 from test_serve import LAYERS, STARTUP_SECONDS, Served, _free_port, _linear_layers, metric
 
-from mlx_watchdog import serve, tiny
+from mlx_watchdog import tiny
+from mlx_watchdog.attach import server as server_hooks
+from mlx_watchdog.commands import serve
 
 LAUNCHER = Path(__file__).with_name("serve_with_oracle.py")
 EXIT_NO_ORACLE = 3  # serve_with_oracle.py's status when the counter cannot be installed
@@ -301,7 +303,7 @@ def test_stop_within_stops_every_crossing_request(start_server, model_dir):
              + "\n--- server log tail:\n" + served.output()[-1500:])
     print("\n" + table)
 
-    assert [r["finish"] for r in rows] == [serve.STOP_FINISH_REASON] * STOP_REQUESTS, table
+    assert [r["finish"] for r in rows] == [server_hooks.STOP_FINISH_REASON] * STOP_REQUESTS, table
     assert all(r["chunks"] < STOP_MAX_TOKENS for r in rows), table  # cut short, not run to the end
     assert len(stops) == STOP_REQUESTS, table  # one stop per request: each crossed on its own
     assert all(s["limit"] == limit and s["true"] < limit for s in stops), \

@@ -13,11 +13,11 @@ importable from here too; they are loaded on first use (module ``__getattr__``),
 
 import importlib
 
-from .actions import ResourceLimitForecast
-from .core import Watchdog, live_watchdogs
-from .fix import materialize
-from .forecast import Forecast, Leak
-from .introspect import find_arrays
+from .core.actions import ResourceLimitForecast
+from .core.arrays import find_arrays
+from .core.fix import materialize
+from .core.forecast import Forecast, Leak
+from .core.watchdog import Watchdog, live_watchdogs
 
 __version__ = "0.1.0"
 
@@ -37,7 +37,12 @@ __all__ = [
 ]
 
 # name -> module that defines it, imported on first access
-_LAZY = {"watch": "attach", "watch_model": "attach", "unwatch_model": "attach", "watch_step": "attach"}
+_LAZY = {
+    "watch": "attach.decorator",
+    "watch_model": "attach.model",
+    "unwatch_model": "attach.model",
+    "watch_step": "attach.step",
+}
 
 
 def __getattr__(name: str):

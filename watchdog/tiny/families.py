@@ -272,7 +272,7 @@ def build(name: str, layers: Optional[int] = None, seed: int = 0, sizes: Optiona
     """(model, config): ``mlx_lm.models.<name>.Model`` built tiny with random weights."""
     import mlx.core as mx
 
-    from .tiny import randomize
+    from .build import randomize
 
     module = load(name)
     config = family_config(name, layers, sizes)

@@ -1,30 +1,25 @@
-"""Attachment points: decide *when* ``Watchdog.observe`` runs and *what* the roots are.
-
-* ``watch_model(model)``: every ``model(inputs, cache=...)`` call is observed, whoever makes it
-  (``generate_step``, ``BatchGenerator``, speculative decoding, a custom loop).
-* ``@watch(...)``: a generate function with mlx-lm's calling convention, for one call.
-* ``watch_step(fn, cache=...)``: a bare step function.
+"""``watch_model``: every forward pass of a model that is given a cache is observed, whoever
+makes it (``generate_step``, ``BatchGenerator``, speculative decoding, a server's own loop).
 
 Like OpenTelemetry's instrumentors, attaching and detaching are symmetric and mlx-lm's classes
 are left untouched: ``watch_model`` gives the *instance* a subclass of its own class whose
 ``__call__`` observes first, and ``unwatch_model`` gives the original class back. The watchdog
 lives on that subclass, not in the model (an ``nn.Module`` is a dict: attributes set on it
-would become parameters).
+would become parameters). ``Watching`` watches a model for the duration of a block (the
+decorator's unit).
 """
 
 from __future__ import annotations
 
 import copyreg
 import functools
-import inspect
 import threading
 from typing import Any, Callable, Optional
 
-from .core import Watchdog
+from ..core.watchdog import Watchdog
 
 _STATE = "_mlx_watchdog_state"
 _attach_lock = threading.RLock()
-
 
 class _ModelState:
     """What a watched model carries on its per-instance subclass."""
@@ -68,7 +63,7 @@ def _tokens(inputs: Any) -> int:
     return int(shape[1]) if shape is not None and len(shape) >= 2 else 1
 
 
-def _watchdog_from(watchdog: Optional[Watchdog], options: dict) -> Watchdog:
+def watchdog_from(watchdog: Optional[Watchdog], options: dict) -> Watchdog:
     """The given watchdog, or a new one built from Watchdog options (never both)."""
     if watchdog is not None and options:
         raise ValueError("pass either watchdog= or Watchdog options, not both")
@@ -83,7 +78,7 @@ def watch_model(model, watchdog: Optional[Watchdog] = None, **options):
     """Observe every forward pass of ``model`` that is given a cache. Returns the same model
     object, still an instance of its class. ``options`` create a :class:`Watchdog` when none
     is given. Watching an already watched model swaps its watchdog."""
-    watchdog = _watchdog_from(watchdog, options)
+    watchdog = watchdog_from(watchdog, options)
     if not callable(model):
         raise TypeError(f"watch_model needs a callable model, got {type(model).__name__}")
     with _attach_lock:
@@ -147,101 +142,7 @@ def _model_name(model) -> str:
     return str(name) if name else type(model).__name__
 
 
-def watch_step(fn: Callable, cache: Any, watchdog: Optional[Watchdog] = None, **options) -> Callable:
-    """Wrap a bare step function: each call observes ``cache`` first."""
-    watchdog = _watchdog_from(watchdog, options)
-    if not callable(fn):
-        raise TypeError(f"watch_step needs a callable, got {fn!r}")
-    last: list[Any] = [None]
-
-    @functools.wraps(fn)
-    def step(*args, **kwargs):
-        previous, last[0] = last[0], None
-        watchdog.observe(cache, last_output=previous)
-        result = fn(*args, **kwargs)
-        last[0] = result
-        return result
-
-    step.watchdog = watchdog
-    return step
-
-
-def watch(fn: Optional[Callable] = None, *, watchdog: Optional[Watchdog] = None,
-          metrics_port: Optional[int] = None, metrics_addr: str = "127.0.0.1", **options):
-    """Decorator for generate functions with mlx-lm's convention
-    ``fn(model, tokenizer, prompt, ..., prompt_cache=None, ...)``.
-
-    Every forward pass of the call is observed. When the caller passes no ``prompt_cache`` and
-    the function accepts one, the cache is built here with the model's own rules
-    (``make_prompt_cache``), so the watchdog sees it from the first step. Works for plain
-    functions and generators (the watchdog steps as items are consumed and detaches when the
-    generator is closed). ``watchdog=`` shares one watchdog; otherwise one is created from
-    ``options`` for the decorated function. ``metrics_port`` starts the metrics server once."""
-    if fn is None:
-        # Bad options fail here, at @watch(...), not later when a function is decorated.
-        if watchdog is None:
-            Watchdog(**{**options, "export": False})  # a throw-away, to check the options
-        else:
-            _watchdog_from(watchdog, options)
-        return functools.partial(watch, watchdog=watchdog, metrics_port=metrics_port,
-                                 metrics_addr=metrics_addr, **options)
-    watchdog = _watchdog_from(watchdog, options)
-    metrics_server = None
-    if metrics_port is not None:
-        from .exporters.prometheus import start_metrics_server
-
-        metrics_server = start_metrics_server(metrics_port, addr=metrics_addr)
-    signature = inspect.signature(fn)
-    var_keyword = next((p.name for p in signature.parameters.values()
-                        if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    takes_cache = "prompt_cache" in signature.parameters or var_keyword is not None
-
-    def prepare(args, kwargs):
-        bound = signature.bind_partial(*args, **kwargs)
-        # Options passed on through **kwargs (generate -> stream_generate) are given too.
-        given = {**bound.arguments.get(var_keyword, {}), **bound.arguments} if var_keyword else bound.arguments
-        model = given.get("model", args[0] if args else None)
-        if model is None:
-            raise TypeError(f"{fn.__name__}() was called without a model")
-        if takes_cache and given.get("prompt_cache") is None and hasattr(model, "layers"):
-            from mlx_lm.models.cache import make_prompt_cache
-
-            draft = given.get("draft_model")
-            if draft is not None:
-                # Speculative decoding takes one list: the model's caches, then the draft's.
-                cache = make_prompt_cache(model) + make_prompt_cache(draft)
-            else:
-                cache = make_prompt_cache(model, max_kv_size=given.get("max_kv_size"))
-            if "prompt_cache" in signature.parameters:
-                bound.arguments["prompt_cache"] = cache
-            else:
-                bound.arguments[var_keyword] = {**bound.arguments.get(var_keyword, {}), "prompt_cache": cache}
-            return model, bound.args, bound.kwargs
-        return model, args, kwargs
-
-    if inspect.isgeneratorfunction(fn):
-        @functools.wraps(fn)
-        def generator_wrapper(*args, **kwargs):
-            model, args, kwargs = prepare(args, kwargs)
-            with _Watching(model, watchdog):
-                yield from fn(*args, **kwargs)
-
-        generator_wrapper.watchdog = watchdog
-        generator_wrapper.metrics_server = metrics_server  # its .port, when port 0 picked one
-        return generator_wrapper
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        model, args, kwargs = prepare(args, kwargs)
-        with _Watching(model, watchdog):
-            return fn(*args, **kwargs)
-
-    wrapper.watchdog = watchdog
-    wrapper.metrics_server = metrics_server
-    return wrapper
-
-
-class _Watching:
+class Watching:
     """Watch a model for the duration of a block; restore what was there before.
 
     Blocks may overlap (two threads calling the same decorated function on one model): the
@@ -287,5 +188,3 @@ class _Watching:
             else:
                 watch_model(self.model, state.restore_to)
         return False
-
-

@@ -48,7 +48,7 @@ import tempfile
 import time
 from typing import Any, Optional, Sequence
 
-from .cli_common import EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, positive_int
+from .common import EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, positive_int
 
 SCHEMA = "mlx-watchdog.scan/1"
 PATHS = ("plain", "batched", "unequal", "join", "quantized")
@@ -108,7 +108,7 @@ def options_from(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import families
+    from ..tiny import families
 
     options = options_from(args)
     names = list(dict.fromkeys(args.families)) or families.families()
@@ -138,7 +138,7 @@ class _Job:
         self.name = name
         self.out = tempfile.TemporaryFile(mode="w+")
         self.err = tempfile.TemporaryFile(mode="w+")
-        command = [sys.executable, "-m", "mlx_watchdog.scan", CHILD_FLAG, json.dumps({"family": name, **options})]
+        command = [sys.executable, "-m", "mlx_watchdog.commands.scan", CHILD_FLAG, json.dumps({"family": name, **options})]
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         self.process = subprocess.Popen(command, stdout=self.out, stderr=self.err, env=env,
                                         stdin=subprocess.DEVNULL)
@@ -243,7 +243,7 @@ def build_report(results: list[dict], options: dict, seconds: float, cpu_seconds
 
     import mlx.core as mx
 
-    from . import __version__
+    from .. import __version__
 
     ok = [r for r in results if r["status"] == "ok"]
     leaking = [r["family"] for r in ok if any(run["leak"] for run in r["runs"])]
@@ -346,7 +346,7 @@ def markdown(report: dict, command: Optional[str] = None) -> str:
 # --------------------------------------------------------------------------- the child
 
 def _child(config: dict) -> dict:
-    from . import families
+    from ..tiny import families
 
     name = config["family"]
     try:
@@ -367,8 +367,8 @@ def _child(config: dict) -> dict:
 
 def scan_path(model, path: str, steps: int, limit: int = LIMIT, fix: bool = True) -> dict:
     """Decode ``model`` on ``path`` watched (and again fixed, where it leaks): one run's entry."""
-    from . import tiny
-    from .core import Watchdog
+    from .. import tiny
+    from ..core.watchdog import Watchdog
 
     prompts = [p for p, n in zip(tiny.tiny_prompts(3, 11, seed=1), PROMPT_LENGTHS[path])]
     prompts = [p[:n] for p, n in zip(prompts, PROMPT_LENGTHS[path])]
@@ -404,7 +404,7 @@ def scan_path(model, path: str, steps: int, limit: int = LIMIT, fix: bool = True
 def decode(model, path: str, prompts: list[list[int]], steps: int, watchdog) -> tuple[dict, int]:
     """Decode ``steps`` steps on ``path`` with ``watchdog`` watching ``model``. Returns the tokens
     of each sequence and the forward passes before decode step 1 (the prefill's)."""
-    from .attach import unwatch_model, watch_model
+    from ..attach.model import unwatch_model, watch_model
 
     watch_model(model, watchdog)
     tokens: dict[int, list[int]] = {}
@@ -453,7 +453,7 @@ def _steps(model, path: str, prompts: list[list[int]], steps: int):
 
 def _child_entry(argv: Sequence[str]) -> int:
     if len(argv) != 2 or argv[0] != CHILD_FLAG:
-        print("usage: python -m mlx_watchdog.scan --child CONFIG_JSON (used by `mlx-watchdog scan`)",
+        print("usage: python -m mlx_watchdog.commands.scan --child CONFIG_JSON (used by `mlx-watchdog scan`)",
               file=sys.stderr)
         return EXIT_USAGE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -4,7 +4,7 @@ One ``Watchdog`` follows one model's decode. ``observe(roots)`` runs once per st
 *entry* of the step: whatever is still pending in the cache then was left behind by the
 previous step (observing right after the forward would walk the whole forward graph).
 
-What it reads is every cache of the model alive in the process (``scope.py``), not one
+What it reads is every cache of the model alive in the process (``caches.py``), not one
 decode: a busy batch that outlives its requests, a prompt filled beside it, two decodes at once.
 When it reads is ``schedule.py``'s: densely as each set of caches starts, then by decode time,
 within a lifetime budget. How much of the graph one reading walks is ``sampling.py``'s: all of it,
@@ -32,17 +32,17 @@ from .actions import ResourceLimitForecast, Warnings, remedy
 from .attribution import Attribution
 from .fix import Fixer, evaluated_output, resolvable, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth
-from .introspect import MAX_DEPTH, MAX_OBJECTS, scan_all
+from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
 from .options import (checked_bool, checked_fraction, checked_name, checked_positive_int, checked_steps,
                       checked_walk_interval)
-from .rawread import type_name
+from .objects import type_name
 from .sampling import Sampler, warm_up
 from .schedule import Schedule
-from .scope import Scope, member_of
+from .caches import Scope, member_of
 
 try:  # records mx.distributed.init() from here on, so watchdogs learn their rank (distributed.py)
-    from . import distributed as _distributed
+    from ..attach import distributed as _distributed
 except Exception:  # an MLX without mx.distributed: watchdogs stay single-process
     _distributed = None
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from .graph import is_evaluated
-from .introspect import find_arrays, resolve, scan
+from .arrays import find_arrays, resolve, scan
 
 PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
 # A probe costs a second walk. What the fix cuts per site changes when the program does, not every

@@ -24,8 +24,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from . import __version__
-from .cli_common import (EXIT_INTERRUPTED, EXIT_LEAK, EXIT_OK, EXIT_USAGE, PROG, UsageError,  # noqa: F401
+from .. import __version__
+from .common import (EXIT_INTERRUPTED, EXIT_LEAK, EXIT_OK, EXIT_USAGE, PROG, UsageError,  # noqa: F401
                          split_server_argv)
 
 SERVE_USAGE = f"{PROG} serve [watchdog options] -- [mlx_lm.server arguments]"

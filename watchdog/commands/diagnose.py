@@ -145,7 +145,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from .cli_common import (EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, add_max_tokens, add_output_flags,
+from .common import (EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, add_max_tokens, add_output_flags,
                          consoles, deprecated_alias, local_model_problem, looks_local, positive_int,
                          print_json)
 
@@ -407,8 +407,8 @@ def decode_pass(model, path: str, prompts: list[list[int]], steps: int, watchdog
     """Decode ``steps`` steps watched by ``watchdog``. ``on_step(step, watchdog, elapsed)`` runs
     after each decode step; returning True ends the pass. A ``ResourceLimitForecast`` raised by
     the watchdog ends it too (``result.stopped``)."""
-    from .attach import unwatch_model, watch_model
-    from .core import ResourceLimitForecast
+    from ..attach.model import unwatch_model, watch_model
+    from ..core.actions import ResourceLimitForecast
 
     if path == "plain":
         prompts = prompts[:1]
@@ -480,9 +480,9 @@ def diagnose_model(model, prompts: list[list[int]], *, paths: Sequence[str], ste
     """Run each path unfixed then fixed; return the report (the JSON object of the docstring)."""
     import mlx.core as mx
 
-    from . import __version__
-    from .core import Watchdog
-    from .limits import device_name, device_resource_limit
+    from .. import __version__
+    from ..core.watchdog import Watchdog
+    from ..core.limits import device_name, device_resource_limit
 
     if steps <= 0:
         raise UsageError(f"--max-tokens must be a positive integer, got {steps}")
@@ -640,7 +640,7 @@ def to_the_limit(args: argparse.Namespace, console, progress_console=None) -> in
     """Run the decode in a child process until it fails; compare with the forecast at 1%."""
     import mlx.core as mx
 
-    from . import tiny
+    from .. import tiny
 
     metal = bool(mx.metal.is_available())
     if args.limit is None and not metal:
@@ -702,7 +702,7 @@ class _ChildOutcome:
 def _run_child(config: dict, console, quiet: bool, bar=None) -> _ChildOutcome:
     """Run the child and collect its records; progress as a rich ``bar`` (on a terminal), or a
     line every 5 s on ``console`` unless ``quiet``."""
-    command = [sys.executable, "-m", "mlx_watchdog.diagnose", "--child", json.dumps(config)]
+    command = [sys.executable, "-m", "mlx_watchdog.commands.diagnose", "--child", json.dumps(config)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     lines: "queue.Queue[Optional[str]]" = queue.Queue()
     records: list = []
@@ -824,7 +824,7 @@ def forecast_at(records: list, fail_step: int, percent: float) -> Optional[dict]
 
 
 def _limit_report(outcome: _ChildOutcome, config: dict, model_label: str, path: str) -> dict:
-    from .limits import resolve_limit
+    from ..core.limits import resolve_limit
 
     start = next((e for e in outcome.events if e.get("event") == "start"), {})
     failure = _failure(outcome, config)
@@ -911,9 +911,9 @@ def _child_main(config: dict) -> int:
     """Decode until the limit; stream one record per step to the parent (see _run_child)."""
     import mlx.core as mx
 
-    from . import tiny
-    from .core import Watchdog
-    from .limits import device_name
+    from .. import tiny
+    from ..core.watchdog import Watchdog
+    from ..core.limits import device_name
 
     try:
         if config["model"] is None:
@@ -979,7 +979,7 @@ def _child_main(config: dict) -> int:
 
 def _child_entry(argv: Sequence[str]) -> int:
     if len(argv) != 2 or argv[0] != "--child":
-        print("usage: python -m mlx_watchdog.diagnose --child CONFIG_JSON (used by "
+        print("usage: python -m mlx_watchdog.commands.diagnose --child CONFIG_JSON (used by "
               "`mlx-watchdog diagnose --to-the-limit`; run that instead)", file=sys.stderr)
         return EXIT_USAGE
     return _child_main(json.loads(argv[1]))

@@ -133,7 +133,7 @@ def _record(group: Any) -> None:
 def _attach_waiting(group: Any) -> None:
     """Watchdogs created before ``init`` (a decorator at import time) join once it returns, if they
     have not stepped yet: their step counts then start together on every rank."""
-    from . import core
+    from ..core import watchdog as core
 
     with core._live_lock:
         waiting = [wd for wd in list(core._live) if wd.coordinator is None]
@@ -179,7 +179,7 @@ def attach(watchdog: Any, group: Any = None, *, every: int = DEFAULT_EVERY) -> O
     ``mx.distributed.init()`` (which joins the launched group: call this on every rank).
     ``every``: steps between agreements. Call it on every rank at the same step count.
     Returns the :class:`Coordinator`, or ``None`` for a group of size 1."""
-    from .core import Watchdog
+    from ..core.watchdog import Watchdog
 
     if not isinstance(watchdog, Watchdog):
         raise ValueError(f"attach needs a mlx_watchdog.Watchdog, got {type(watchdog).__name__}")
@@ -317,7 +317,7 @@ class Coordinator:
         local = self.watchdog.forecast()
         step = local.step if step is None else step
         worst = agreement.readings[agreement.worst_rank]
-        from . import forecast as fc
+        from ..core import forecast as fc
 
         stl = agreement.steps_to_limit_at(step)
         resident = worst.resident_buffers + max(0.0, worst.buffers_per_step) * (step - agreement.step)
@@ -378,7 +378,7 @@ class Coordinator:
         self.agreement = agreement
 
     def _stop(self, step: int, agreement: Agreement) -> None:
-        from .core import ResourceLimitForecast
+        from ..core.actions import ResourceLimitForecast
 
         forecast = self.forecast(step)
         # Forget what led here: a reading taken before the stop must not stop the next generation.

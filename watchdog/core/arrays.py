@@ -7,7 +7,7 @@ names, positions, and the keys of a plain ``dict`` or an ``nn.Module`` when they
 identifiers. Any other key is a placeholder (``[<key 3>]``): keys are often data (user names,
 prompts), and sites become a Prometheus label.
 
-The walk reads objects through their types only (``rawread.py``): no property, ``__getattr__``,
+The walk reads objects through their types only (``objects.py``): no property, ``__getattr__``,
 ``__iter__``, ``__repr__``, ``__eq__`` or ``__hash__`` of the program runs, so nothing walked can
 raise, block or change state. It is iterative and bounded (depth, objects, items per container
 and per walk), so cycles, deep, wide or huge graphs cannot hang it; what a bound cuts is counted
@@ -23,8 +23,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import rawread
-from .rawread import ARRAY, ATOM, DICT, OBJECT, OPAQUE, SEQUENCE, SET, code_name, info
+from . import objects
+from .objects import ARRAY, ATOM, DICT, OBJECT, OPAQUE, SEQUENCE, SET, code_name, info
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -82,7 +82,7 @@ def scan_all(roots: list[tuple[Any, str]], *, max_objects: int = MAX_OBJECTS, ma
     """Walk several roots, each ``(object, path prefix)``, as one: an array reachable from two
     of them is found once. ``Found.root`` is the index of the root it was found from."""
     walk = _Walk(max_objects, max_depth)
-    rawread.begin_walk()
+    objects.begin_walk()
     try:
         walk.run(roots)
     except Exception as exc:  # a bug of ours: what was found so far stands
@@ -111,7 +111,7 @@ class _Walk:
             if kind == ARRAY:
                 if id(value) not in seen:
                     seen.add(id(value))
-                    if rawread.usable_array(value):
+                    if objects.usable_array(value):
                         found.append(Found(path or "<root>", site, value, steps, root))
                     else:
                         self.skip("error", path, t.name, "an mx.array never initialized")
@@ -134,7 +134,7 @@ class _Walk:
             for child, ct, child_path, child_site, step in reversed(children):
                 stack.append((child, ct, child_path, child_site, steps + (step,), depth + 1, root))
 
-    def children(self, value: Any, t: rawread.TypeInfo, path: str, site: str) -> list[tuple]:
+    def children(self, value: Any, t: objects.TypeInfo, path: str, site: str) -> list[tuple]:
         """(child, its type info, path, site, step) for each child that may hold arrays."""
         if t.kind == OBJECT:
             return self.members(value, t, path, site)
@@ -174,10 +174,10 @@ class _Walk:
             out.extend(self.members(value, t, path, site))  # a subclass may have attributes too
         return out
 
-    def members(self, value: Any, t: rawread.TypeInfo, path: str, site: str) -> list[tuple]:
+    def members(self, value: Any, t: objects.TypeInfo, path: str, site: str) -> list[tuple]:
         """The instance dict and slots of an object, and what a hidden __dict__ holds."""
         out = []
-        attrs = rawread.attributes(value, t, MAX_ITEMS)
+        attrs = objects.attributes(value, t, MAX_ITEMS)
         if attrs is None:
             self.skip("huge", path, t.name, f"more than {MAX_ITEMS:,} attributes")
             return out
@@ -189,7 +189,7 @@ class _Walk:
             name = code_name(key)
             child_path = (f"{path}.{name}" if path else name) if name else f"{path}.<attr {pos}>"
             out.append((child, ct, child_path, _site(t, name), ("attr", step)))
-        hidden = rawread.hidden_values(value, MAX_ITEMS) if t.hidden_dict else []
+        hidden = objects.hidden_values(value, MAX_ITEMS) if t.hidden_dict else []
         if hidden is None:
             self.skip("huge", path, t.name, f"more than {MAX_ITEMS:,} members")
             return out
@@ -216,7 +216,7 @@ _REASONS = {  # why a container was not walked, as logged
 }
 
 
-def _site(owner: rawread.TypeInfo, name: Any) -> str:
+def _site(owner: objects.TypeInfo, name: Any) -> str:
     return f"{owner.name}.{name}"[:MAX_SITE_LEN] if name else f"{owner.name}[]"
 
 
@@ -235,9 +235,9 @@ def follow(root: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
     value = root
     for kind, key in steps:
         if kind == "attr":
-            value = rawread.attribute(value, key)
+            value = objects.attribute(value, key)
         elif kind == "item":
-            value = rawread.item(value, key)
+            value = objects.item(value, key)
         else:
             raise LookupError(f"{kind} members cannot be re-resolved")
     return value

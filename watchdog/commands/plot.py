@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .cli_common import PLOT_SUFFIXES, UsageError
+from .common import PLOT_SUFFIXES, UsageError
 
 MISSING = "--plot needs matplotlib, which is not installed: pip install 'mlx-watchdog[plot]'"
 TOP_SITES = 3

@@ -37,11 +37,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .attach import watch_model, watched_state
-from .core import ResourceLimitForecast, Watchdog
-from .graph import graph_size
-from .introspect import find_arrays
-from .limits import resolve_limit
+from ..core.actions import ResourceLimitForecast
+from ..core.chunks import UNBOUNDED_TOKENS, LineFit, Measurement, fit_line, largest_safe_chunk, measure_chunk
+from ..core.limits import resolve_limit
+from ..core.watchdog import Watchdog
+from .model import watch_model, watched_state
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -52,101 +52,10 @@ MIN_POINTS = 3
 # far from the limit, one walk per guard is enough and the fit need not be precise.
 NEAR_FACTOR = 4
 TRUST_R2 = 0.99
-FLAT_SPREAD = 0.05  # nodes within 5% of each other over all lengths: a flat graph, also trusted
 # Walks per guard are bounded: a server sees many remainder-chunk lengths.
 MAX_MEASURED_LENGTHS = 16
 # The shortest calibration chunk added to a guard's first measurement (at most 16 tokens).
 COMPANION_TOKENS = 4
-# Reported as the safe size when the graph does not grow with the chunk length.
-UNBOUNDED_TOKENS = 1 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class Measurement:
-    """One walked chunk: ``tokens`` per sequence, its pending graph nodes and the distinct
-    evaluated buffers the graph reads, and how long the walk took."""
-
-    tokens: int
-    nodes: int
-    buffers: int
-    seconds: float
-    live: bool = True  # a chunk the program ran; False: built on a fresh cache to calibrate
-
-    @property
-    def predicted_buffers(self) -> int:
-        return self.nodes + self.buffers
-
-
-@dataclasses.dataclass(frozen=True)
-class LineFit:
-    """``intercept + slope * tokens``; ``r2`` of the least-squares line (nan with one length).
-    ``flat``: the sizes did not grow with the length, so the line is their maximum."""
-
-    intercept: float
-    slope: float
-    r2: float
-    points: int
-    flat: bool = False
-
-    def at(self, tokens: float) -> float:
-        return self.intercept + self.slope * tokens
-
-
-def fit_line(points: Sequence[tuple[float, float]], flat_spread: float = FLAT_SPREAD) -> LineFit:
-    """Least squares through ``(tokens, size)`` points; with one distinct length, proportional
-    (through the origin).
-
-    A flat series is replaced by its largest size (slope 0): a falling line (a chunk graph does
-    not shrink as the chunk grows: extrapolating a fall would under-predict), and sizes within
-    ``flat_spread`` of each other over lengths at least a factor 2 apart (a forward vectorized
-    over tokens whose op count steps once, e.g. an MoE that sorts its routing above a size,
-    would otherwise extrapolate that step as growth)."""
-    data = np.asarray(list(points), dtype=np.float64)
-    if data.ndim != 2 or data.shape[0] == 0 or data.shape[1] != 2:
-        raise ValueError(f"fit_line needs a non-empty list of (tokens, size) pairs, got {points!r}")
-    x, y = data[:, 0], data[:, 1]
-    if not np.all(np.isfinite(data)) or np.any(x <= 0):
-        raise ValueError(f"fit_line needs finite sizes and tokens > 0, got {points!r}")
-    if np.unique(x).size == 1:
-        return LineFit(0.0, float(y.mean() / x[0]), math.nan, len(x))
-    slope, intercept = np.polyfit(x, y, 1)
-    residual = float(np.sum((y - (intercept + slope * x)) ** 2))
-    total = float(np.sum((y - y.mean()) ** 2))
-    if total > 0:
-        r2 = 1.0 - residual / total
-    else:  # every size equal: the line is exact
-        r2 = 1.0 if residual <= 1e-9 * max(1.0, float(np.abs(y).max())) else 0.0
-    spread = float(y.max() - y.min()) <= flat_spread * float(np.abs(y).max())
-    if slope < 0 or (spread and x.max() >= 2 * x.min()):
-        return LineFit(float(y.max()), 0.0, float(r2), len(x), flat=True)
-    return LineFit(float(intercept), float(slope), float(r2), len(x))
-
-
-def largest_safe_chunk(nodes: LineFit, buffers: LineFit, budget: float,
-                       ceiling: int = UNBOUNDED_TOKENS) -> int:
-    """The largest ``n`` in [0, ceiling] with ``nodes.at(n) + buffers.at(n) <= budget``."""
-    intercept = nodes.intercept + buffers.intercept
-    slope = nodes.slope + buffers.slope
-    if slope <= 1e-12:
-        return ceiling if intercept + slope <= budget else 0
-    n = math.floor((budget - intercept) / slope)
-    n = max(0, min(ceiling, n))
-    while n > 0 and intercept + slope * n > budget:  # float rounding at the boundary
-        n -= 1
-    return n
-
-
-def measure_chunk(tokens: int, output: Any, cache: Any = None) -> Measurement:
-    """Walk the lazy graph of a chunk's ``output`` and ``cache`` (not evaluated) once.
-
-    The output reaches the whole forward, but some cache updates are not on its path (the last
-    layer's recurrent state, for example); walking both counts each node and buffer once."""
-    arrays = [a for _, a in find_arrays((output, cache))]
-    if not arrays:
-        raise ValueError("the chunk's output and cache hold no mx.array to measure")
-    start = time.perf_counter()
-    nodes, buffers = graph_size(arrays)
-    return Measurement(int(tokens), nodes, buffers, time.perf_counter() - start)
 
 
 def _chunk_tokens(inputs: Any) -> int:
@@ -510,99 +419,3 @@ def safe_prefill_report(model: Any, limit: Optional[int] = None, lengths: Sequen
         "measurements": [dataclasses.asdict(m) for m in measured],
         "skipped_lengths": skipped,
     }
-
-
-# --------------------------------------------------------------------------- mlx_lm.server
-
-def adapt_server_prefill(target: Any, safe_tokens: int, user_step: int) -> int:
-    """Apply a safe prefill chunk size to mlx_lm.server (0.32) state; returns the size set:
-    ``min(user_step, safe_tokens)``, at least 1 (a step of 0 would never advance).
-
-    ``target`` is one of:
-
-    * the server's ``cli_args`` namespace, or an object with ``.cli_args`` (``ModelProvider``,
-      ``ResponseGenerator``): mlx-lm reads ``cli_args.prefill_step_size`` for each request served
-      alone (``stream_generate``) and when it makes a new ``BatchGenerator``;
-    * a live ``BatchGenerator``: it slices prompts by its own ``prefill_step_size`` and its
-      pending ``PromptProcessingBatch`` chunks by its own copy; both are set, so the next
-      chunk of a batch already running uses the new size.
-    """
-    for label, value in (("safe_tokens", safe_tokens), ("user_step", user_step)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{label} must be an int >= 0, got {value!r}")
-    size = max(1, min(user_step, safe_tokens))
-    if hasattr(target, "_prompt_batch") and hasattr(target, "prefill_step_size"):
-        target.prefill_step_size = size
-        prompt_batch = getattr(target, "_prompt_batch", None)
-        if prompt_batch is not None and hasattr(prompt_batch, "prefill_step_size"):
-            prompt_batch.prefill_step_size = size
-        return size
-    args = getattr(target, "cli_args", target)
-    if not hasattr(args, "prefill_step_size"):
-        raise ValueError(f"{type(target).__name__} has no prefill_step_size (expected mlx_lm.server's "
-                         "cli_args, ModelProvider, ResponseGenerator or a BatchGenerator)")
-    args.prefill_step_size = size
-    return size
-
-
-class ServerPrefillAdapter:
-    """An ``on_safe_size`` callback for mlx_lm.server: lowers ``cli_args.prefill_step_size``
-    and the step size of every live ``BatchGenerator`` the server made (never above the user's
-    ``--prefill-step-size``).
-
-    mlx-lm keeps its ``BatchGenerator`` in a local variable of ``ResponseGenerator._generate``;
-    ``attach(server_module)`` swaps ``server_module.BatchGenerator`` for a subclass that
-    registers each instance here (``detach`` puts the original back)."""
-
-    def __init__(self, cli_args: Any, user_step: Optional[int] = None):
-        if not hasattr(cli_args, "prefill_step_size"):
-            raise ValueError(f"cli_args has no prefill_step_size: {cli_args!r}")
-        self.cli_args = cli_args
-        self.user_step = int(cli_args.prefill_step_size if user_step is None else user_step)
-        self.applied: Optional[int] = None
-        self._generators: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._patched: Optional[tuple[Any, Any]] = None
-
-    def attach(self, server_module: Any = None) -> "ServerPrefillAdapter":
-        if server_module is None:
-            import mlx_lm.server as server_module
-        original = getattr(server_module, "BatchGenerator", None)
-        if not isinstance(original, type):
-            raise ValueError(f"{server_module!r} has no BatchGenerator class to track")
-        adapter = self
-
-        class BatchGenerator(original):  # same name: logs and reprs stay mlx-lm's
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
-                adapter.track(self)
-
-        BatchGenerator.__qualname__ = original.__qualname__
-        BatchGenerator.__module__ = original.__module__
-        server_module.BatchGenerator = BatchGenerator
-        self._patched = (server_module, original)
-        return self
-
-    def detach(self) -> None:
-        patched, self._patched = self._patched, None
-        if patched is not None:
-            module, original = patched
-            module.BatchGenerator = original
-
-    def track(self, batch_generator: Any) -> None:
-        self._generators.add(batch_generator)
-        if self.applied is not None:
-            adapt_server_prefill(batch_generator, self.applied, self.user_step)
-
-    @property
-    def generators(self) -> list:
-        return list(self._generators)
-
-    def __call__(self, safe_tokens: int) -> int:
-        size = adapt_server_prefill(self.cli_args, int(safe_tokens), self.user_step)
-        for generator in list(self._generators):
-            adapt_server_prefill(generator, int(safe_tokens), self.user_step)
-        if size != self.applied:
-            logger.info("mlx-watchdog: prefill step size -> %d tokens (safe size %d, configured %d)",
-                        size, safe_tokens, self.user_step)
-        self.applied = size
-        return size

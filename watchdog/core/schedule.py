@@ -1,6 +1,6 @@
 """When to walk: densely as each epoch starts, then by decode time, within a lifetime budget.
 
-An *epoch* is a stretch of steps over one set of live caches (see ``scope.py``): a new decode,
+An *epoch* is a stretch of steps over one set of live caches (see ``caches.py``): a new decode,
 a request joining a busy batch, a cache dying, the first fix. Its growth is measured from its
 own readings, so each epoch is walked at its steps 0, 1, 2, 4, ..., 64: a leak there is read
 within 64 steps of its first step. After that a walk is due every ``walk_interval`` seconds of

@@ -34,7 +34,7 @@ import math
 import time
 from typing import Any, Optional
 
-from .cli_common import (EXIT_LEAK, EXIT_OK, UsageError, add_max_tokens, add_output_flags, consoles,
+from .common import (EXIT_LEAK, EXIT_OK, UsageError, add_max_tokens, add_output_flags, consoles,
                          deprecated_alias, port_number, positive_int, print_json)
 
 DESCRIPTION = (
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace, outcome: DemoOutcome) -> dict:
     """The ``--json`` document (diagnose's report shape, see the module docstring)."""
     from .diagnose import _finite, _run_entry
-    from .limits import resolve_limit
+    from ..core.limits import resolve_limit
 
     entry = _run_entry(outcome.first, outcome.second)
     entry.pop("_limit")
@@ -142,8 +142,8 @@ def report(args: argparse.Namespace, outcome: DemoOutcome) -> dict:
 def run_demo(args: argparse.Namespace, console) -> DemoOutcome:
     """Build the tiny model, serve metrics, run both passes, print the verdict on ``console``
     (a rich Console with markup=False: the output holds brackets such as ``[0].left_padding``)."""
-    from . import tiny
-    from .limits import resolve_limit
+    from .. import tiny
+    from ..core.limits import resolve_limit
 
     if args.model_type not in tiny.MODEL_TYPES:
         raise UsageError(f"unknown --model-type {args.model_type!r}; choose one of "
@@ -178,7 +178,7 @@ def _log_to(console) -> logging.Handler:
 def _start_metrics(args: argparse.Namespace, console):
     if args.no_metrics:
         return None
-    from .exporters.prometheus import start_metrics_server
+    from ..exporters.prometheus import start_metrics_server
 
     try:
         server = start_metrics_server(args.metrics_port, addr="127.0.0.1")
@@ -189,8 +189,8 @@ def _start_metrics(args: argparse.Namespace, console):
 
 
 def _passes(args: argparse.Namespace, model, console, real_limit: int):
-    from . import tiny
-    from .core import Watchdog
+    from .. import tiny
+    from ..core.watchdog import Watchdog
     from .diagnose import decode_pass
 
     prompts = tiny.tiny_prompts(args.batch_size, PROMPT_TOKENS, seed=args.seed)

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional, Sequence
 import mlx.core as mx
 
 from .graph import is_evaluated
-from .introspect import MAX_SITE_LEN, follow
+from .arrays import MAX_SITE_LEN, follow
 
 MAX_RECORDS = 256  # assignments noted before a probe ends itself (a step of a very deep model)
 _MISSING = object()

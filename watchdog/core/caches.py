@@ -12,8 +12,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Iterator, Optional
 
-from . import rawread
-from .rawread import ARRAY, info
+from . import objects
+from .objects import ARRAY, info
 
 MAX_MEMBERS = 4096  # caches followed at once; more are walked only while they are the roots
 
@@ -103,16 +103,16 @@ def member_of(roots: Any, steps: tuple) -> Any:
     for kind, key in steps:
         if depth >= 2 or kind != "item" or not _container(info(type(value))):
             break
-        value, depth = rawread.item(value, key), depth + 1
+        value, depth = objects.item(value, key), depth + 1
     return value
 
 
-def _container(t: rawread.TypeInfo) -> bool:
+def _container(t: objects.TypeInfo) -> bool:
     return t.base is list or t.base is tuple or t.cls is dict  # list and tuple subclasses too
 
 
 def _items(value: Any) -> Optional[list]:
-    """The items of a list, tuple or plain dict, read without their code (``rawread``); None
+    """The items of a list, tuple or plain dict, read without their code (``objects.py``); None
     for anything else."""
     t = info(type(value))
     if not _container(t):

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 from . import forecast, graph
 from .graph import TooDeep, account, deep_walker, is_evaluated
-from .introspect import Found
+from .arrays import Found
 
 STALL_SECONDS = 0.04  # CPU time one reading may block the decode for, when it can be kept to it
 INITIAL_SECONDS_PER_NODE = 4e-6  # until measured on this machine

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from . import options
+from ..core import options
 
 PROG = "mlx-watchdog"
 

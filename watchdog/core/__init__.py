@@ -1,0 +1,20 @@
+"""The watchdog itself: what it reads, how it counts, when it walks, what it forecasts, the fix.
+
+Nothing here knows how it is attached (``mlx_watchdog.attach``), run from the command line
+(``mlx_watchdog.commands``) or exported (``mlx_watchdog.exporters``): those depend on the core,
+never the reverse.
+
+* ``watchdog.py``: ``Watchdog``: ``observe`` at each step, ``forecast``, the fix and the actions.
+* Reading the caches: ``objects.py`` reads Python objects through their types only (no program
+  code runs); ``arrays.py`` finds every ``mx.array`` reachable from the roots, with its path and
+  site; ``caches.py`` keeps the caches followed (every live cache seen in a forward).
+* Counting: ``graph.py`` counts one walk of the lazy graph (``mx.export_to_dot``);
+  ``sampling.py`` decides whether a reading walks every pending array or a sample;
+  ``allocator.py`` settles the C allocator's deferred work before a walk is timed.
+* Over time: ``schedule.py`` (when to walk, within the budget), ``growth.py`` (readings ->
+  rate and leak sites), ``forecast.py`` (robust slopes, the step and time of the limit),
+  ``attribution.py`` (the source line that rebinds a leaking attribute).
+* Acting: ``fix.py`` (schedule evaluation of pending cache arrays), ``actions.py`` (stop, warn).
+* ``limits.py`` (the device's buffer limit, an exact counter where MLX has one),
+  ``options.py`` (the bounds of every option), ``chunks.py`` (prefill chunk sizes).
+"""
