@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MLX_LM_VERSION = $(shell $(PY) -c "import importlib.metadata as m; print(m.version('mlx-lm'))")
 MLX_LM_SDIST   := .cache/mlx-lm-sdist
 
-.PHONY: demo test docs docs-image system-deps sdist bench clean
+.PHONY: demo test lint typecheck docs docs-image system-deps sdist bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,18 @@ sdist: $(MLX_LM_SDIST)/.done
 
 test: system-deps $(STAMP) sdist
 	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider
+
+# ruff (lint and format) and mypy, as configured in pyproject.toml. mypy reads the package through
+# .cache/typecheck, links that put exporters/ inside mlx_watchdog as the wheel does.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	rm -rf .cache/typecheck && mkdir -p .cache/typecheck/mlx_watchdog
+	for f in watchdog/*; do ln -s "$$PWD/$$f" .cache/typecheck/mlx_watchdog/; done
+	ln -s "$$PWD/exporters" .cache/typecheck/mlx_watchdog/exporters
+	$(VENV)/bin/mypy -p mlx_watchdog
 
 # Benchmarks are not part of `make test` (they take minutes and need a quiet machine).
 bench: $(STAMP)

@@ -40,7 +40,15 @@ import time
 import mlx.core as mx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_variants import VARIANTS, add_model_arguments, interleaved, model_defaults, make_model, prompts_for, revision  # noqa: E402
+from decode_variants import (  # noqa: E402
+    VARIANTS,
+    add_model_arguments,
+    interleaved,
+    make_model,
+    model_defaults,
+    prompts_for,
+    revision,
+)
 
 DEFAULT_VARIANTS = "unwatched,aa,handfix,every256,watched,fix,fix4,fix16"
 LONG_VARIANTS = "unwatched,aa,watched,fix"
@@ -51,9 +59,17 @@ def parse_args(argv=None):
     add_model_arguments(p)
     p.add_argument("--steps", type=int, default=400, help="decode steps timed per repetition")
     p.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
-    p.add_argument("--chunk", type=int, default=50, help="steps a variant decodes before the next one takes its turn")
-    p.add_argument("--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default: {DEFAULT_VARIANTS})")
-    p.add_argument("--long", action="store_true", help=f"10,000 steps, 2 repetitions, variants {LONG_VARIANTS} (unless given)")
+    p.add_argument(
+        "--chunk", type=int, default=50, help="steps a variant decodes before the next one takes its turn"
+    )
+    p.add_argument(
+        "--variants", default=None, help=f"comma list of {', '.join(VARIANTS)} (default: {DEFAULT_VARIANTS})"
+    )
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help=f"10,000 steps, 2 repetitions, variants {LONG_VARIANTS} (unless given)",
+    )
     p.add_argument("--out", default=None, help="also write the markdown here (appends)")
     args = p.parse_args(argv)
     if args.long:
@@ -97,9 +113,17 @@ def main(argv=None) -> int:
     for rep in range(args.reps):
         for r in interleaved(model, args.variants, args.path, prompts, args.steps, args.chunk, seed=rep):
             runs[r.variant].append(r)
-            print(f"rep {rep + 1}/{args.reps} {r.variant:>9}: {r.tokens_per_s:9.1f} tok/s"
-                  + (f"  overhead {100 * r.overhead_seconds / r.seconds:5.2f}%" if r.overhead_seconds is not None else "")
-                  + f"  retained {r.retained_at_end}", file=sys.stderr, flush=True)
+            print(
+                f"rep {rep + 1}/{args.reps} {r.variant:>9}: {r.tokens_per_s:9.1f} tok/s"
+                + (
+                    f"  overhead {100 * r.overhead_seconds / r.seconds:5.2f}%"
+                    if r.overhead_seconds is not None
+                    else ""
+                )
+                + f"  retained {r.retained_at_end}",
+                file=sys.stderr,
+                flush=True,
+            )
     wall = time.perf_counter() - started
     load_after = os.getloadavg()
 
@@ -123,7 +147,8 @@ def report(args, runs, identical, wall, load_before, load_after, reproducible=Tr
     lines = [
         f"### {args.model} via {'generate_step' if args.path == 'plain' else 'BatchGenerator'}: "
         f"{args.layers} layers, hidden {args.hidden or 64}, {args.dtype}, {args.steps} steps x {args.reps} reps"
-        + (f", batch {args.batch}" if args.path == "batched" else "") + f", chunks of {args.chunk}",
+        + (f", batch {args.batch}" if args.path == "batched" else "")
+        + f", chunks of {args.chunk}",
         "",
         f"- command: `{command}`",
         f"- machine: {platform.machine()} {platform.system()}, {os.cpu_count()} CPUs, MLX {mx.__version__}, "
@@ -150,8 +175,10 @@ def report(args, runs, identical, wall, load_before, load_after, reproducible=Tr
             cpu_paired = "(reference)"
         else:
             c1, c3 = quartiles(chunk_ratios)
-            paired = (f"{_pct(statistics.median(ratios))} | {_pct(min(ratios))} .. {_pct(max(ratios))} | "
-                      f"{_pct(statistics.median(chunk_ratios))} ({_pct(c1)} .. {_pct(c3)}), {len(chunk_ratios)} | ")
+            paired = (
+                f"{_pct(statistics.median(ratios))} | {_pct(min(ratios))} .. {_pct(max(ratios))} | "
+                f"{_pct(statistics.median(chunk_ratios))} ({_pct(c1)} .. {_pct(c3)}), {len(chunk_ratios)} | "
+            )
             cpu_paired = _pct(statistics.median(cpu_ratios))
         lines.append(
             f"| {variant} | {statistics.median(tps):.1f} | {q1:.1f}-{q3:.1f} | {min(tps):.1f}-{max(tps):.1f} | "

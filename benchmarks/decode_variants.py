@@ -33,7 +33,7 @@ import os
 import random
 import subprocess
 import time
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
@@ -41,12 +41,25 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_watchdog import Watchdog
 from mlx_watchdog.attach.model import unwatch_model, watch_model
-from mlx_watchdog.core.graph import account
 from mlx_watchdog.core.arrays import find_arrays
+from mlx_watchdog.core.graph import account
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
-VARIANTS = ("unwatched", "aa", "handfix", "every256", "async16", "watched", "fix", "fix4", "fix16", "fixlow",
-            "wrapped", "nowalk", "subclass")
+VARIANTS = (
+    "unwatched",
+    "aa",
+    "handfix",
+    "every256",
+    "async16",
+    "watched",
+    "fix",
+    "fix4",
+    "fix16",
+    "fixlow",
+    "wrapped",
+    "nowalk",
+    "subclass",
+)
 LOW_BUDGET = 0.0025  # walk budget of ``fixlow`` (the default is 0.01)
 
 
@@ -72,19 +85,33 @@ GC_CLOCK = _GCClock()
 
 def add_model_arguments(p) -> None:
     """The model, its shape, the decode path and the device (shared by the decode benchmarks)."""
-    p.add_argument("--model", choices=("llama", "qwen3_next"), default="llama",
-                   help="llama: leak-free, decoded by generate_step; qwen3_next: leaking, decoded by BatchGenerator")
-    p.add_argument("--path", choices=("plain", "batched"), default=None,
-                   help="decode loop (default: plain for llama, batched for qwen3_next)")
+    p.add_argument(
+        "--model",
+        choices=("llama", "qwen3_next"),
+        default="llama",
+        help="llama: leak-free, decoded by generate_step; qwen3_next: leaking, decoded by BatchGenerator",
+    )
+    p.add_argument(
+        "--path",
+        choices=("plain", "batched"),
+        default=None,
+        help="decode loop (default: plain for llama, batched for qwen3_next)",
+    )
     p.add_argument("--layers", type=int, default=None, help="default 4 (llama), 8 (qwen3_next)")
     p.add_argument("--hidden", type=int, default=0, help="model width (0: tiny's 64-wide config)")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--experts", type=int, default=8, help="qwen3_next routed experts (with --hidden)")
     p.add_argument("--dtype", default="float32", help="float32 (CPU MoE needs it), bfloat16, float16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", choices=("default", "cpu", "gpu"), default="default",
-                   help="MLX device (cpu: the CPU backend, also on a GPU machine)")
-    p.add_argument("--batch", type=int, default=2, help="sequences in the batched path (equal-length prompts)")
+    p.add_argument(
+        "--device",
+        choices=("default", "cpu", "gpu"),
+        default="default",
+        help="MLX device (cpu: the CPU backend, also on a GPU machine)",
+    )
+    p.add_argument(
+        "--batch", type=int, default=2, help="sequences in the batched path (equal-length prompts)"
+    )
     p.add_argument("--prompt-len", type=int, default=16)
 
 
@@ -99,8 +126,13 @@ def shape_overrides(model_type: str, hidden: int, vocab: int, experts: int) -> d
     head_dim = 64 if hidden <= 1024 else 128
     heads = max(1, hidden // head_dim)
     kv_heads = max(1, heads // 4)
-    common = dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  head_dim=head_dim, vocab_size=vocab)
+    common = dict(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+    )
     if model_type == "llama":
         return dict(common, intermediate_size=4 * hidden)
     if model_type == "qwen3_next":
@@ -120,15 +152,18 @@ def shape_overrides(model_type: str, hidden: int, vocab: int, experts: int) -> d
     raise ValueError(f"model_type must be 'llama' or 'qwen3_next', got {model_type!r}")
 
 
-def make_model(model_type: str, layers: int, hidden: int, vocab: int, dtype: str, experts: int,
-               seed: int = 0):
+def make_model(
+    model_type: str, layers: int, hidden: int, vocab: int, dtype: str, experts: int, seed: int = 0
+):
     """A random-weight model. Built in float32, then cast: tiny.build_model refuses MoE models
     in other dtypes wherever Metal is absent, but MLX's CUDA backend runs them."""
     target = getattr(mx, dtype, None)
     if not isinstance(target, mx.Dtype) or not mx.issubdtype(target, mx.floating):
         raise ValueError(f"--dtype must be a floating MLX dtype (float32, bfloat16, float16), got {dtype!r}")
     if model_type == "qwen3_next" and target != mx.float32 and mx.default_device() == mx.cpu:
-        raise ValueError("MLX's CPU backend runs qwen3_next's MoE (GatherMM) only in float32: use --dtype float32")
+        raise ValueError(
+            "MLX's CPU backend runs qwen3_next's MoE (GatherMM) only in float32: use --dtype float32"
+        )
     overrides = shape_overrides(model_type, hidden, vocab, experts) if hidden else {"vocab_size": vocab}
     model = build_model(model_type, layers=layers, seed=seed, **overrides)
     if target != mx.float32:
@@ -175,7 +210,7 @@ class AsyncEvalCacheWrapper(EvalCacheWrapper):
         return out
 
 
-def watchdog_for(variant: str) -> Optional[Watchdog]:
+def watchdog_for(variant: str) -> Watchdog | None:
     if variant == "watched":
         return Watchdog(export=False)
     if variant == "fix":
@@ -226,7 +261,9 @@ class Decode:
             self.fn = AsyncEvalCacheWrapper(model, 16)
         elif variant == "subclass":
             original = type(model)
-            model.__class__ = type(original.__name__, (original,), {"__slots__": (), "__module__": original.__module__})
+            model.__class__ = type(
+                original.__name__, (original,), {"__slots__": (), "__module__": original.__module__}
+            )
             self.fn = model
         elif variant in ("unwatched", "aa") or self.wd is not None:
             self.fn = model
@@ -237,8 +274,9 @@ class Decode:
         if path == "plain":
             self.cache = make_prompt_cache(model)
             self.outputs = [[]]
-            self._steps = generate_step(mx.array(prompts[0]), self.fn, max_tokens=steps + 2,
-                                        prompt_cache=self.cache)
+            self._steps = generate_step(
+                mx.array(prompts[0]), self.fn, max_tokens=steps + 2, prompt_cache=self.cache
+            )
         elif path == "batched":
             self.gen = BatchGenerator(self.fn, max_tokens=steps + 8)
             self.uids = self.gen.insert(prompts)
@@ -302,9 +340,16 @@ class Decode:
     def live_cache(self):
         return self.cache if self.path == "plain" else self.gen._generation_batch.prompt_cache
 
-    def finish(self) -> "Run":
-        run = Run(self.variant, self.tokens, self.seconds, self.cpu_seconds, outputs=self.outputs,
-                  chunk_rates=self.chunk_rates, gc_seconds=self.gc_seconds)
+    def finish(self) -> Run:
+        run = Run(
+            self.variant,
+            self.tokens,
+            self.seconds,
+            self.cpu_seconds,
+            outputs=self.outputs,
+            chunk_rates=self.chunk_rates,
+            gc_seconds=self.gc_seconds,
+        )
         if self.wd is not None:
             run.overhead_seconds = self.wd.overhead_seconds - self.overhead0
             run.walks = self.wd.walks
@@ -324,11 +369,11 @@ class Run:
     tokens: int  # decode tokens timed (all sequences of the batch)
     seconds: float  # decode time: the sum of this variant's chunks
     cpu_seconds: float  # process CPU time (all threads) over the same chunks
-    overhead_seconds: Optional[float] = None  # wd.overhead_seconds over the timed decode
-    walks: Optional[int] = None
-    materialized: Optional[int] = None
-    retained_at_end: Optional[int] = None  # buffers the cache's pending graphs keep at the end
-    outputs: Optional[list] = None
+    overhead_seconds: float | None = None  # wd.overhead_seconds over the timed decode
+    walks: int | None = None
+    materialized: int | None = None
+    retained_at_end: int | None = None  # buffers the cache's pending graphs keep at the end
+    outputs: list | None = None
     chunk_rates: list = dataclasses.field(default_factory=list)  # tokens/s of each chunk, by round
     gc_seconds: float = 0.0  # in Python's garbage collector during the timed chunks
 
@@ -346,8 +391,18 @@ def _retained(cache) -> int:
     return account(arrays).retained_buffers if arrays else 0
 
 
-def interleaved(model, variants: list[str], path: str, prompts, steps: int, chunk: int,
-                seed: int = 0, on_chunk=None, deadline: Optional[float] = None, sync: bool = True) -> list[Run]:
+def interleaved(
+    model,
+    variants: list[str],
+    path: str,
+    prompts,
+    steps: int,
+    chunk: int,
+    seed: int = 0,
+    on_chunk=None,
+    deadline: float | None = None,
+    sync: bool = True,
+) -> list[Run]:
     """One repetition: a fresh decode per variant, advanced in turns of ``chunk`` steps. Each
     round runs every variant once, in a fresh random order: no variant always goes first or
     always follows the same one (whatever a turn leaves behind, such as garbage to collect or
@@ -385,15 +440,23 @@ def prompts_for(batch: int, length: int, vocab: int, seed: int = 0) -> list[list
 def revision() -> str:
     """$MLX_WATCHDOG_REVISION when set (a copy of the tree, as on a lent GPU machine); else the
     project's git commit (+ "dirty" when the tree has changes), where git can tell."""
-    if os.environ.get("MLX_WATCHDOG_REVISION"):  # said by whoever copied the tree (a copy's .git may be stale)
+    if os.environ.get(
+        "MLX_WATCHDOG_REVISION"
+    ):  # said by whoever copied the tree (a copy's .git may be stale)
         return os.environ["MLX_WATCHDOG_REVISION"]
     fallback = "(no git)"
     here = os.path.dirname(os.path.abspath(__file__))
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
-                             text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
     except Exception:
         return fallback
     return f"{sha}{'+dirty' if dirty else ''}" if sha else fallback

@@ -46,13 +46,19 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    lines = [f"### Evaluating {args.chains} chains of `x - 1` on {mx.default_device()} (MLX {mx.__version__}), "
-             f"median of {args.repeats}", "",
-             "| depth (steps) | ms per async_eval | us per node | us per decode step |", "|---|---|---|---|"]
+    lines = [
+        f"### Evaluating {args.chains} chains of `x - 1` on {mx.default_device()} (MLX {mx.__version__}), "
+        f"median of {args.repeats}",
+        "",
+        "| depth (steps) | ms per async_eval | us per node | us per decode step |",
+        "|---|---|---|---|",
+    ]
     for depth in (int(d) for d in args.depths.split(",")):
         seconds = cost(args.chains, depth, args.repeats)
-        lines.append(f"| {depth} | {1e3 * seconds:.2f} | {1e6 * seconds / (2 * args.chains * depth):.2f} | "
-                     f"{1e6 * seconds / depth:.1f} |")
+        lines.append(
+            f"| {depth} | {1e3 * seconds:.2f} | {1e6 * seconds / (2 * args.chains * depth):.2f} | "
+            f"{1e6 * seconds / depth:.1f} |"
+        )
     text = "\n".join(lines) + "\n"
     emit(text, args.out)
     return 0

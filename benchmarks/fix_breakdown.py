@@ -49,8 +49,8 @@ def main(argv=None) -> int:
     from mlx_lm.generate import BatchGenerator
 
     from mlx_watchdog import Watchdog
-    from mlx_watchdog.core import watchdog as core
     from mlx_watchdog.attach.model import unwatch_model, watch_model
+    from mlx_watchdog.core import watchdog as core
     from mlx_watchdog.core.graph import account
 
     seconds: dict[str, float] = collections.defaultdict(float)
@@ -65,6 +65,7 @@ def main(argv=None) -> int:
             finally:
                 seconds[name] += time.perf_counter() - started
                 calls[name] += 1
+
         return wrapper
 
     walk, pending, schedule = core.Watchdog._walk, core.Fixer.pending, core.schedule_evaluation
@@ -102,20 +103,26 @@ def main(argv=None) -> int:
     finally:
         core.Watchdog._walk, core.Fixer.pending, core.schedule_evaluation = walk, pending, schedule
     spent = wd.overhead_seconds - spent0 - seconds.pop("(counting the nodes)", 0.0)
-    print(f"qwen3_next {args.layers} layers, batch {args.batch}, {steps} steps: {1e3 * total / steps:.1f} ms a step; "
-          f"the watchdog's own time {100 * spent / total:.2f}% of decode ({wd.walks} walks)\n")
+    print(
+        f"qwen3_next {args.layers} layers, batch {args.batch}, {steps} steps: {1e3 * total / steps:.1f} ms a step; "
+        f"the watchdog's own time {100 * spent / total:.2f}% of decode ({wd.walks} walks)\n"
+    )
     print("| part | share of decode | calls | ms a call |")
     print("|---|---|---|---|")
     for name in sorted(seconds):
-        print(f"| {name} | {100 * seconds[name] / total:.2f}% | {calls[name]} | {1e3 * seconds[name] / calls[name]:.2f} |")
+        print(
+            f"| {name} | {100 * seconds[name] / total:.2f}% | {calls[name]} | {1e3 * seconds[name] / calls[name]:.2f} |"
+        )
     if nodes:
         arrays = round(sum(a for a, _ in nodes) / len(nodes))
         per_fix = sum(n for _, n in nodes) / len(nodes)
         fix_us = 1e6 * seconds["fix: async_eval of the chains"] / sum(n for _, n in nodes)
         depth = max(1, round(per_fix / (2 * arrays)))
-        print(f"\nEach fix scheduled {arrays} arrays, {per_fix:.0f} pending nodes on average: {fix_us:.2f} us a node. "
-              f"A plain async_eval of {arrays} chains of {depth} x 2 nodes: "
-              f"{plain_chains_us_per_node(arrays, depth):.2f} us a node.")
+        print(
+            f"\nEach fix scheduled {arrays} arrays, {per_fix:.0f} pending nodes on average: {fix_us:.2f} us a node. "
+            f"A plain async_eval of {arrays} chains of {depth} x 2 nodes: "
+            f"{plain_chains_us_per_node(arrays, depth):.2f} us a node."
+        )
     return 0
 
 

@@ -53,7 +53,9 @@ def pure() -> None:
         "untouched again (A/A)": lambda c: None,
         "__dict__ read once": lambda c: c.__dict__,
         "gc.get_referents": gc.get_referents,
-        "object.__getattribute__": lambda c: [object.__getattribute__(c, n) for n in ("keys", "values", "offset", "step")],
+        "object.__getattribute__": lambda c: [
+            object.__getattribute__(c, n) for n in ("keys", "values", "offset", "step")
+        ],
     }
     print(f"Python {sys.version.split()[0]}: 48 objects, 5 attribute reads and 2 writes each, us (best of 5)")
     for label, touch in touches.items():
@@ -87,13 +89,15 @@ def forward(forwards: int) -> None:
 
     times = {name: [] for name in sets}
     order = list(sets)
-    for i in range(forwards):
+    for _i in range(forwards):
         order = order[1:] + order[:1]  # no set always goes first
         for name in order:
             times[name].append(build(sets[name]))
-    print(f"Python {sys.version.split()[0]}, MLX {mx.__version__} on {mx.default_device()}: "
-          f"48-layer llama forward (graph build only), {forwards} forwards a set, taking turns")
-    print(f"| compared | median difference, us | trimmed mean (10%), us |")
+    print(
+        f"Python {sys.version.split()[0]}, MLX {mx.__version__} on {mx.default_device()}: "
+        f"48-layer llama forward (graph build only), {forwards} forwards a set, taking turns"
+    )
+    print("| compared | median difference, us | trimmed mean (10%), us |")
     print("|---|---|---|")
     for label, other in (("a2 - a (A/A)", "a2"), ("read - a", "read")):
         d = sorted(1e6 * (x - y) for x, y in zip(times[other][100:], times["a"][100:]))

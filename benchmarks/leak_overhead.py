@@ -62,15 +62,23 @@ def main() -> None:
     q = statistics.quantiles(ratios, n=4)
     total_w, total_u = sum(times["watched"]), sum(times["unwatched"])
     f = wd.forecast()
-    print(f"# leak_overhead: {args.steps} steps, chunks of {args.chunk}, {args.layers} layers, batch {args.batch}")
-    print(f"machine: {platform.machine()} {platform.processor()} mlx {mx.__version__} device {mx.default_device()}")
+    print(
+        f"# leak_overhead: {args.steps} steps, chunks of {args.chunk}, {args.layers} layers, batch {args.batch}"
+    )
+    print(
+        f"machine: {platform.machine()} {platform.processor()} mlx {mx.__version__} device {mx.default_device()}"
+    )
     print(f"unwatched total {total_u:.2f} s ({args.steps / total_u:.1f} steps/s)")
     print(f"watched   total {total_w:.2f} s ({args.steps / total_w:.1f} steps/s)")
-    print(f"slowdown per chunk (watched/unwatched - 1): median {100 * (statistics.median(ratios) - 1):+.2f}% "
-          f"IQR [{100 * (q[0] - 1):+.2f}%, {100 * (q[2] - 1):+.2f}%] over {len(ratios)} chunk pairs")
+    print(
+        f"slowdown per chunk (watched/unwatched - 1): median {100 * (statistics.median(ratios) - 1):+.2f}% "
+        f"IQR [{100 * (q[0] - 1):+.2f}%, {100 * (q[2] - 1):+.2f}%] over {len(ratios)} chunk pairs"
+    )
     print(f"slowdown in total: {100 * (total_w / total_u - 1):+.2f}%")
-    print(f"self-timed overhead: {wd.overhead_seconds:.3f} s = {100 * wd.overhead_seconds / total_w:.2f}% "
-          f"of watched decode time; {wd.walks} graph walks")
+    print(
+        f"self-timed overhead: {wd.overhead_seconds:.3f} s = {100 * wd.overhead_seconds / total_w:.2f}% "
+        f"of watched decode time; {wd.walks} graph walks"
+    )
     print(f"forecast at the end: {f.describe()}")
 
 

@@ -81,22 +81,34 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, nargs="+", default=[4, 16, 48])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--in-decode", action="store_true", help="also measure inside a real decode (watched, fix)")
+    p.add_argument(
+        "--in-decode", action="store_true", help="also measure inside a real decode (watched, fix)"
+    )
     args = p.parse_args(argv)
     extra = " | in a decode: watched us/step | in a decode: fix us/step" if args.in_decode else ""
-    print("| llama KV cache | arrays | " + " | ".join(f"{name} us/step" for name in CONFIGS) + " | one walk us" + extra + " |")
+    print(
+        "| llama KV cache | arrays | "
+        + " | ".join(f"{name} us/step" for name in CONFIGS)
+        + " | one walk us"
+        + extra
+        + " |"
+    )
     print("|---|---|" + "---|" * (len(CONFIGS) + 1 + 2 * args.in_decode))
     for layers in args.layers:
         model = build_model("llama", layers=layers)
         cache = make_prompt_cache(model)
         model(mx.array([[1, 2, 3, 4]]), cache=cache)
         mx.eval([c.state for c in cache])
-        cells = [f"{per_call_us(cls(export=False, **kw), cache, args.calls, args.repeats):.1f}"
-                 for cls, kw in CONFIGS.values()]
+        cells = [
+            f"{per_call_us(cls(export=False, **kw), cache, args.calls, args.repeats):.1f}"
+            for cls, kw in CONFIGS.values()
+        ]
         cells.append(f"{walk_us(cache, 3):.0f}")
         if args.in_decode:
-            cells += [f"{in_decode_us(model, make_prompt_cache(model), args.calls, **kw):.1f}"
-                      for kw in ({}, {"fix": True})]
+            cells += [
+                f"{in_decode_us(model, make_prompt_cache(model), args.calls, **kw):.1f}"
+                for kw in ({}, {"fix": True})
+            ]
         print(f"| {layers} layers | {2 * layers} | " + " | ".join(cells) + " |")
     return 0
 

@@ -91,24 +91,45 @@ def parse_args(argv=None):
     p.add_argument("--leaking-steps", type=int, default=None, help="BatchGenerator steps (default 300)")
     p.add_argument("--prompt-len", type=int, default=6)
     p.add_argument("--stall-chains", type=int, default=47)
-    p.add_argument("--stall-depth", type=int, default=None, help="nodes per chain before the first step (default 10000)")
+    p.add_argument(
+        "--stall-depth", type=int, default=None, help="nodes per chain before the first step (default 10000)"
+    )
     p.add_argument("--stall-steps", type=int, default=None, help="observed steps (default 60)")
-    p.add_argument("--stall-cap-s", type=float, default=None,
-                   help="stop a stall run once its steps took this long (default 30 s)")
+    p.add_argument(
+        "--stall-cap-s",
+        type=float,
+        default=None,
+        help="stop a stall run once its steps took this long (default 30 s)",
+    )
     p.add_argument("--old-rev", default=OLD_REV, help="git revision of the old engine (default %(default)s)")
     p.add_argument("--old-src", default=None, help="an old watchdog/ folder to use instead of --old-rev")
     p.add_argument("--timeout-s", type=float, default=600, help="longest wait for one run of a worker")
     p.add_argument("--out", default=None, help="also write the markdown report here (overwrites)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes, one round (seconds); without the old engine if it cannot be had")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, one round (seconds); without the old engine if it cannot be had",
+    )
     # worker side (internal)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--expect", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    smoke = {"rounds": 1, "leakfree_steps": 16, "leaking_steps": 12, "stall_depth": 300, "stall_steps": 5,
-             "stall_cap_s": 10.0}
-    full = {"rounds": 6, "leakfree_steps": 400, "leaking_steps": 300, "stall_depth": 10_000, "stall_steps": 60,
-            "stall_cap_s": 30.0}
+    smoke = {
+        "rounds": 1,
+        "leakfree_steps": 16,
+        "leaking_steps": 12,
+        "stall_depth": 300,
+        "stall_steps": 5,
+        "stall_cap_s": 10.0,
+    }
+    full = {
+        "rounds": 6,
+        "leakfree_steps": 400,
+        "leaking_steps": 300,
+        "stall_depth": 10_000,
+        "stall_steps": 60,
+        "stall_cap_s": 30.0,
+    }
     for key, value in (smoke if args.smoke else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -161,8 +182,15 @@ def worker(args) -> int:
     except Exception:
         send({"error": traceback.format_exc()})
         return 2
-    send({"hello": args.worker, "file": mlx_watchdog.__file__, "realpath": where, "pid": os.getpid(),
-          "hash": imported})
+    send(
+        {
+            "hello": args.worker,
+            "file": mlx_watchdog.__file__,
+            "realpath": where,
+            "pid": os.getpid(),
+            "hash": imported,
+        }
+    )
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -273,7 +301,7 @@ class _WorkerState:
             "pending_nodes": f.pending_graph_nodes,
             "sampled": getattr(f, "sampled", None),
             "rate_known": getattr(f, "rate_known", None),
-            "leak_sites": [l.site for l in f.leaks[:3]],
+            "leak_sites": [leak.site for leak in f.leaks[:3]],
         }
 
     # -------------------------------------------------------------------- workloads
@@ -301,8 +329,12 @@ class _WorkerState:
         finally:
             if self.watched:
                 unwatch_model(model)
-        result = {"tokens_per_s": steps / seconds, "seconds": seconds, "timed_tokens": steps,
-                  "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:12]}
+        result = {
+            "tokens_per_s": steps / seconds,
+            "seconds": seconds,
+            "timed_tokens": steps,
+            "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:12],
+        }
         if wd is not None:
             result.update(self._watch_report(wd, times))
         return result
@@ -333,8 +365,12 @@ class _WorkerState:
         finally:
             if self.watched:
                 unwatch_model(model)
-        result = {"tokens_per_s": timed / seconds, "seconds": seconds, "timed_tokens": timed,
-                  "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:12]}
+        result = {
+            "tokens_per_s": timed / seconds,
+            "seconds": seconds,
+            "timed_tokens": timed,
+            "tokens_sha": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:12],
+        }
         if wd is not None:
             result.update(self._watch_report(wd, times))
         return result
@@ -378,11 +414,18 @@ class _WorkerState:
         reading = account([c.state for c in cache])  # untimed check, once
         account_s = time.perf_counter() - t0
         exact = chains * (depth + done) + chains
-        result.update({
-            "steps_run": done, "capped": done < steps, "build_s": build_s, "loop_s": loop_s,
-            "exact": exact, "account_resident": reading.retained_buffers + reading.evaluated_arrays,
-            "account_nodes": reading.pending_nodes, "account_s": account_s,
-        })
+        result.update(
+            {
+                "steps_run": done,
+                "capped": done < steps,
+                "build_s": build_s,
+                "loop_s": loop_s,
+                "exact": exact,
+                "account_resident": reading.retained_buffers + reading.evaluated_arrays,
+                "account_nodes": reading.pending_nodes,
+                "account_s": account_s,
+            }
+        )
         del cache, reading
         return result
 
@@ -394,15 +437,23 @@ class Worker:
     def __init__(self, name: str, pythonpath: str, expect: str, timeout_s: float):
         self.name = name
         self.timeout_s = timeout_s
-        self.stderr = tempfile.NamedTemporaryFile("w+", prefix=f"observe_stall_{name}_", suffix=".log", delete=False)
+        self.stderr = tempfile.NamedTemporaryFile(
+            "w+", prefix=f"observe_stall_{name}_", suffix=".log", delete=False
+        )
         env = dict(os.environ)
         env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONHASHSEED", "0")
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--worker", name, "--expect", expect],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, bufsize=1,
-            env=env, cwd=REPO)
-        self.lines: "queue.Queue[str | None]" = queue.Queue()
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            bufsize=1,
+            env=env,
+            cwd=REPO,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.hello = None
         self.dead: str | None = None
@@ -410,7 +461,7 @@ class Worker:
     def _read(self):
         for line in self.proc.stdout:
             if line.startswith(PROTOCOL):
-                self.lines.put(line[len(PROTOCOL):])
+                self.lines.put(line[len(PROTOCOL) :])
         self.lines.put(None)
 
     def receive(self) -> dict:
@@ -456,7 +507,9 @@ class Worker:
 
 
 def _git(*cmd: str) -> str:
-    return subprocess.run(["git", "-C", REPO, *cmd], check=True, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", REPO, *cmd], check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def package_dir(name: str, src: str) -> str:
@@ -478,7 +531,9 @@ def old_engine(args) -> tuple[str, str]:
     src = os.path.join(home, "watchdog")
     if not os.path.isfile(os.path.join(src, "core.py")):
         staging = tempfile.mkdtemp(prefix="mlx_watchdog_old_engine_", dir=tempfile.gettempdir())
-        archive = subprocess.run(["git", "-C", REPO, "archive", sha, "watchdog"], check=True, capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", REPO, "archive", sha, "watchdog"], check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", staging], input=archive, check=True)
         shutil.rmtree(home, ignore_errors=True)
         os.replace(staging, home)
@@ -502,8 +557,14 @@ def machine() -> dict:
         affinity = os.cpu_count()
     busy = ""
     try:
-        ps = subprocess.run(["ps", "-eo", "pcpu,pid,args", "--sort=-pcpu"], capture_output=True, text=True, timeout=5)
-        rows = [r.strip()[:110] for r in ps.stdout.splitlines()[1:] if r.strip() and str(os.getpid()) not in r.split()[1:2]]
+        ps = subprocess.run(
+            ["ps", "-eo", "pcpu,pid,args", "--sort=-pcpu"], capture_output=True, text=True, timeout=5
+        )
+        rows = [
+            r.strip()[:110]
+            for r in ps.stdout.splitlines()[1:]
+            if r.strip() and str(os.getpid()) not in r.split()[1:2]
+        ]
         busy = "; ".join(rows[:3])
     except Exception:
         pass
@@ -555,11 +616,16 @@ def run(args) -> int:
         cmds = {
             "leakfree": {"workload": "leakfree", "steps": args.leakfree_steps, "prompt_len": args.prompt_len},
             "leaking": {"workload": "leaking", "steps": args.leaking_steps, "prompt_len": args.prompt_len},
-            "stall": {"workload": "stall", "chains": args.stall_chains, "depth": args.stall_depth,
-                      "steps": args.stall_steps, "cap_s": args.stall_cap_s},
+            "stall": {
+                "workload": "stall",
+                "chains": args.stall_chains,
+                "depth": args.stall_depth,
+                "steps": args.stall_steps,
+                "cap_s": args.stall_cap_s,
+            },
         }
         for r in range(args.rounds):
-            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
             orders.append(order)
             for workload in args.workloads:
                 for v in order:
@@ -570,24 +636,49 @@ def run(args) -> int:
                     if "error" in res:
                         errors.append(f"round {r + 1}, {workload}, {v}:\n{res['error']}")
                     elif res.get("log"):
-                        errors.append(f"round {r + 1}, {workload}, {v}: the watchdog logged\n" + "\n".join(res["log"]))
+                        errors.append(
+                            f"round {r + 1}, {workload}, {v}: the watchdog logged\n" + "\n".join(res["log"])
+                        )
                     results[workload][v].append(res)
-                    print(f"# round {r + 1}/{args.rounds} {workload:8s} {v:10s} " + _brief(res), file=sys.stderr, flush=True)
+                    print(
+                        f"# round {r + 1}/{args.rounds} {workload:8s} {v:10s} " + _brief(res),
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         for w in workers.values():
             w.close()
         for p in paths.values():
             shutil.rmtree(p, ignore_errors=True)
     after = machine()
-    imported = {f"{v} ({g})": (w.hello or {}).get("hash") for (v, g), w in workers.items() if VARIANTS[v][0] == "new"}
+    imported = {
+        f"{v} ({g})": (w.hello or {}).get("hash") for (v, g), w in workers.items() if VARIANTS[v][0] == "new"
+    }
     now = tree_hash(NEW_SRC)
     if set(imported.values()) - {now, None} or new_hash_before != now:
-        notes.append("the new engine's files changed during the run: the tree hashed "
-                     f"{new_hash_before} at the start and {now} at the end; the new workers imported "
-                     + ", ".join(f"{v} {h}" for v, h in imported.items())
-                     + " (each runs what it imported at its start)")
-    text = report(args, variants, engines, workers, results, orders, errors, notes, before, after,
-                  time.perf_counter() - t_start, new_hash_before, head, new_diff, new_untracked)
+        notes.append(
+            "the new engine's files changed during the run: the tree hashed "
+            f"{new_hash_before} at the start and {now} at the end; the new workers imported "
+            + ", ".join(f"{v} {h}" for v, h in imported.items())
+            + " (each runs what it imported at its start)"
+        )
+    text = report(
+        args,
+        variants,
+        engines,
+        workers,
+        results,
+        orders,
+        errors,
+        notes,
+        before,
+        after,
+        time.perf_counter() - t_start,
+        new_hash_before,
+        head,
+        new_diff,
+        new_untracked,
+    )
     print(text)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -653,8 +744,23 @@ def _worst(r):
     return r["observe"]["worst_s"] if "observe" in r else None
 
 
-def report(args, variants, engines, workers, results, orders, errors, notes, before, after, wall_s,
-           new_hash, head, new_diff, new_untracked) -> str:
+def report(
+    args,
+    variants,
+    engines,
+    workers,
+    results,
+    orders,
+    errors,
+    notes,
+    before,
+    after,
+    wall_s,
+    new_hash,
+    head,
+    new_diff,
+    new_untracked,
+) -> str:
     argv = args.argv if hasattr(args, "argv") else []
     lines = ["# observe() stall and decode tokens/s: old engine vs new, interleaved", ""]
     lines += ["Command:", "", "    " + shlex.join([sys.executable, "benchmarks/observe_stall.py", *argv]), ""]
@@ -679,18 +785,27 @@ def report(args, variants, engines, workers, results, orders, errors, notes, bef
     for engine, (_, what) in engines.items():
         extra = ""
         if engine == "new":
-            extra = (f" (HEAD {head}; watchdog/*.py hash {new_hash}; vs {args.old_rev}: {new_diff or 'no change'}"
-                     + (f"; untracked {', '.join(new_untracked)}" if new_untracked else "") + ")")
+            extra = (
+                f" (HEAD {head}; watchdog/*.py hash {new_hash}; vs {args.old_rev}: {new_diff or 'no change'}"
+                + (f"; untracked {', '.join(new_untracked)}" if new_untracked else "")
+                + ")"
+            )
         lines.append(f"* {engine}: {what}{extra}")
     for (v, group), w in workers.items():
         hello = w.hello or {}
         if "file" in hello:
-            lines.append(f"  * worker `{v}` ({group}, pid {hello['pid']}): mlx_watchdog.__file__ = `{hello['file']}` -> "
-                         f"`{hello['realpath']}`, imported files hash {hello.get('hash')}")
+            lines.append(
+                f"  * worker `{v}` ({group}, pid {hello['pid']}): mlx_watchdog.__file__ = `{hello['file']}` -> "
+                f"`{hello['realpath']}`, imported files hash {hello.get('hash')}"
+            )
     lines.append("")
-    lines.append(f"Rounds: {args.rounds}; orders: " + "; ".join(", ".join(o) for o in orders[:4])
-                 + (" ..." if len(orders) > 4 else "") + ". Cells: median over rounds [min..max]; ratios: "
-                 "per round (paired), median [min..max], and a bootstrap 95% interval of the median.")
+    lines.append(
+        f"Rounds: {args.rounds}; orders: "
+        + "; ".join(", ".join(o) for o in orders[:4])
+        + (" ..." if len(orders) > 4 else "")
+        + ". Cells: median over rounds [min..max]; ratios: "
+        "per round (paired), median [min..max], and a bootstrap 95% interval of the median."
+    )
     lines.append("")
     for note in notes:
         lines += [f"**Note:** {note}", ""]
@@ -699,62 +814,101 @@ def report(args, variants, engines, workers, results, orders, errors, notes, bef
         res = results[workload]
         if workload in ("leakfree", "leaking"):
             steps = args.leakfree_steps if workload == "leakfree" else args.leaking_steps
-            title = ("leak-free: tiny llama, 4 layers, generate_step" if workload == "leakfree" else
-                     "leaking: tiny qwen3_next, 12 layers (full attention every 4th), BatchGenerator, 2 prompts")
+            title = (
+                "leak-free: tiny llama, 4 layers, generate_step"
+                if workload == "leakfree"
+                else "leaking: tiny qwen3_next, 12 layers (full attention every 4th), BatchGenerator, 2 prompts"
+            )
             lines += [f"## {title}, {steps} steps", ""]
             ref = next((r["tokens_sha"] for r in _ok(res.get("unwatched", []))), None)
-            lines.append("| variant | tokens/s | worst observe() ms | at call # | p99 observe() us | median observe() us | "
-                         "all observe() ms | walks | buffers/step read | rate measured | internal errors | "
-                         "same tokens as unwatched |")
+            lines.append(
+                "| variant | tokens/s | worst observe() ms | at call # | p99 observe() us | median observe() us | "
+                "all observe() ms | walks | buffers/step read | rate measured | internal errors | "
+                "same tokens as unwatched |"
+            )
             lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
             for v in variants:
                 ok = _ok(res.get(v, []))
                 watched = VARIANTS[v][1]
                 same = "-" if ref is None else ("yes" if all(r["tokens_sha"] == ref for r in ok) else "NO")
                 failed = len(res.get(v, [])) - len(ok)
-                lines.append("| " + " | ".join([
-                    v + (f" ({failed} failed)" if failed else ""),
-                    _spread([r["tokens_per_s"] for r in ok], ".0f"),
-                    _spread([r["observe"]["worst_s"] * 1e3 for r in ok], ".2f") if watched else "",
-                    _spread([r["observe"]["worst_call"] for r in ok], ".0f") if watched else "",
-                    _spread([r["observe"]["p99_s"] * 1e6 for r in ok], ".0f") if watched else "",
-                    _spread([r["observe"]["median_s"] * 1e6 for r in ok], ".1f") if watched else "",
-                    _spread([r["observe"]["total_s"] * 1e3 for r in ok], ".1f") if watched else "",
-                    _spread([r["walks"] for r in ok], ".0f") if watched else "",
-                    _spread([r["rate"] for r in ok], ".2f") if watched else "",
-                    (f"{sum(1 for r in ok if r.get('rate_known'))} of {len(ok)}"
-                     if any(r.get("rate_known") is not None for r in ok) else "n/a") if watched else "",
-                    str(sum(r["internal_errors"] for r in ok)) if watched else "",
-                    same,
-                ]) + " |")
-            lines += ["", "| paired ratio | tokens/s ratio | 95% interval | worst observe() ratio | tokens/s ratio per round |",
-                      "|---|---|---|---|---|"]
+                lines.append(
+                    "| "
+                    + " | ".join(
+                        [
+                            v + (f" ({failed} failed)" if failed else ""),
+                            _spread([r["tokens_per_s"] for r in ok], ".0f"),
+                            _spread([r["observe"]["worst_s"] * 1e3 for r in ok], ".2f") if watched else "",
+                            _spread([r["observe"]["worst_call"] for r in ok], ".0f") if watched else "",
+                            _spread([r["observe"]["p99_s"] * 1e6 for r in ok], ".0f") if watched else "",
+                            _spread([r["observe"]["median_s"] * 1e6 for r in ok], ".1f") if watched else "",
+                            _spread([r["observe"]["total_s"] * 1e3 for r in ok], ".1f") if watched else "",
+                            _spread([r["walks"] for r in ok], ".0f") if watched else "",
+                            _spread([r["rate"] for r in ok], ".2f") if watched else "",
+                            (
+                                f"{sum(1 for r in ok if r.get('rate_known'))} of {len(ok)}"
+                                if any(r.get("rate_known") is not None for r in ok)
+                                else "n/a"
+                            )
+                            if watched
+                            else "",
+                            str(sum(r["internal_errors"] for r in ok)) if watched else "",
+                            same,
+                        ]
+                    )
+                    + " |"
+                )
+            lines += [
+                "",
+                "| paired ratio | tokens/s ratio | 95% interval | worst observe() ratio | tokens/s ratio per round |",
+                "|---|---|---|---|---|",
+            ]
             for a, b, what in PAIRS:
                 if a not in variants or b not in variants:
                     continue
                 tps = _paired(res, a, b, lambda r: r["tokens_per_s"])
                 worst = _paired(res, a, b, _worst) if VARIANTS[a][1] and VARIANTS[b][1] else []
                 lo, hi = _boot_median(tps) if tps else (math.nan, math.nan)
-                lines.append(f"| {what} | {_spread(tps, '.3f')} | {lo:.3f}..{hi:.3f} | {_spread(worst, '.2f')} | "
-                             + " ".join(f"{x:.2f}" for x in tps) + " |")
+                lines.append(
+                    f"| {what} | {_spread(tps, '.3f')} | {lo:.3f}..{hi:.3f} | {_spread(worst, '.2f')} | "
+                    + " ".join(f"{x:.2f}" for x in tps)
+                    + " |"
+                )
             lines.append("")
-            lines.append("tokens/s: timed steps after the first token. `at call #`: which observe() call was the "
-                         "worst (1 = the first, prefill calls included). `buffers/step read`: the forecast's "
-                         "buffers_per_step at the end; `rate measured`: runs whose forecast says rate_known "
-                         "(the old Forecast has no such field). p99 by nearest rank.")
+            lines.append(
+                "tokens/s: timed steps after the first token. `at call #`: which observe() call was the "
+                "worst (1 = the first, prefill calls included). `buffers/step read`: the forecast's "
+                "buffers_per_step at the end; `rate measured`: runs whose forecast says rate_known "
+                "(the old Forecast has no such field). p99 by nearest rank."
+            )
             lines.append("")
-            lines.append("Per round, tokens/s / worst observe() ms: " + "; ".join(
-                f"round {r + 1}: " + ", ".join(
-                    f"{v} {x['tokens_per_s']:.0f}" + (f"/{x['observe']['worst_s'] * 1e3:.1f}" if "observe" in x else "")
-                    for v in orders[r] for x in _ok(res.get(v, [])) if x["round"] == r)
-                for r in range(len(orders))) + ".")
+            lines.append(
+                "Per round, tokens/s / worst observe() ms: "
+                + "; ".join(
+                    f"round {r + 1}: "
+                    + ", ".join(
+                        f"{v} {x['tokens_per_s']:.0f}"
+                        + (f"/{x['observe']['worst_s'] * 1e3:.1f}" if "observe" in x else "")
+                        for v in orders[r]
+                        for x in _ok(res.get(v, []))
+                        if x["round"] == r
+                    )
+                    for r in range(len(orders))
+                )
+                + "."
+            )
             lines.append("")
         else:
-            lines += [f"## crash scale (stall): {args.stall_chains} chains x {args.stall_depth} pending `- 1` nodes, "
-                      f"{args.stall_steps} steps (cap {args.stall_cap_s:.0f} s a run), default options", ""]
-            lines.append("| variant | steps run | worst observe() s | first observe() s | worst after the first ms | "
-                         "walks | forecast resident (walked at step) | exact | account() | forecast - exact | "
-                         "sampled | account() s, untimed | internal errors |")
+            lines += [
+                f"## crash scale (stall): {args.stall_chains} chains x {args.stall_depth} pending `- 1` nodes, "
+                f"{args.stall_steps} steps (cap {args.stall_cap_s:.0f} s a run), default options",
+                "",
+            ]
+            lines.append(
+                "| variant | steps run | worst observe() s | first observe() s | worst after the first ms | "
+                "walks | forecast resident (walked at step) | exact | account() | forecast - exact | "
+                "sampled | account() s, untimed | internal errors |"
+            )
             lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
             for v in variants:
                 if not VARIANTS[v][1]:
@@ -765,37 +919,66 @@ def report(args, variants, engines, workers, results, orders, errors, notes, bef
                     lines.append(f"| {v} ({failed} failed) |" + " - |" * 12)
                     continue
                 last = ok[-1]
-                lines.append("| " + " | ".join([
-                    v + (f" ({failed} failed)" if failed else ""),
-                    _spread([r["steps_run"] for r in ok], ".0f") + (" (capped)" if any(r["capped"] for r in ok) else ""),
-                    _spread([r["observe"]["worst_s"] for r in ok], ".3f"),
-                    _spread([r["observe"]["first_s"] for r in ok], ".3f"),
-                    _spread([r["observe"]["worst_after_first_s"] * 1e3 if r["observe"]["worst_after_first_s"] is not None
-                             else None for r in ok], ".2f"),
-                    _spread([r["walks"] for r in ok], ".0f"),
-                    _spread([r["resident"] for r in ok], ".0f") + f" ({_spread([r['measured_step'] for r in ok], '.0f')})",
-                    _spread([r["exact"] for r in ok], ".0f"),
-                    _spread([r["account_resident"] for r in ok], ".0f")
-                    + (" (= exact)" if all(r["account_resident"] == r["exact"] for r in ok) else " (NOT exact)"),
-                    _spread([100.0 * (r["resident"] - r["exact"]) / r["exact"] for r in ok], "+.2f") + "%",
-                    str(last.get("sampled")),
-                    _spread([r["account_s"] for r in ok], ".2f"),
-                    str(sum(r["internal_errors"] for r in ok)),
-                ]) + " |")
-            lines += ["", "| paired ratio | worst observe() ratio | 95% interval | per round |", "|---|---|---|---|"]
+                lines.append(
+                    "| "
+                    + " | ".join(
+                        [
+                            v + (f" ({failed} failed)" if failed else ""),
+                            _spread([r["steps_run"] for r in ok], ".0f")
+                            + (" (capped)" if any(r["capped"] for r in ok) else ""),
+                            _spread([r["observe"]["worst_s"] for r in ok], ".3f"),
+                            _spread([r["observe"]["first_s"] for r in ok], ".3f"),
+                            _spread(
+                                [
+                                    r["observe"]["worst_after_first_s"] * 1e3
+                                    if r["observe"]["worst_after_first_s"] is not None
+                                    else None
+                                    for r in ok
+                                ],
+                                ".2f",
+                            ),
+                            _spread([r["walks"] for r in ok], ".0f"),
+                            _spread([r["resident"] for r in ok], ".0f")
+                            + f" ({_spread([r['measured_step'] for r in ok], '.0f')})",
+                            _spread([r["exact"] for r in ok], ".0f"),
+                            _spread([r["account_resident"] for r in ok], ".0f")
+                            + (
+                                " (= exact)"
+                                if all(r["account_resident"] == r["exact"] for r in ok)
+                                else " (NOT exact)"
+                            ),
+                            _spread([100.0 * (r["resident"] - r["exact"]) / r["exact"] for r in ok], "+.2f")
+                            + "%",
+                            str(last.get("sampled")),
+                            _spread([r["account_s"] for r in ok], ".2f"),
+                            str(sum(r["internal_errors"] for r in ok)),
+                        ]
+                    )
+                    + " |"
+                )
+            lines += [
+                "",
+                "| paired ratio | worst observe() ratio | 95% interval | per round |",
+                "|---|---|---|---|",
+            ]
             for a, b, what in PAIRS:
                 if a in variants and b in variants and VARIANTS[a][1] and VARIANTS[b][1]:
                     worst = _paired(res, a, b, _worst)
                     lo, hi = _boot_median(worst) if worst else (math.nan, math.nan)
-                    lines.append(f"| {what} | {_spread(worst, '.3f')} | {lo:.3f}..{hi:.3f} | "
-                                 + " ".join(f"{x:.3f}" for x in worst) + " |")
+                    lines.append(
+                        f"| {what} | {_spread(worst, '.3f')} | {lo:.3f}..{hi:.3f} | "
+                        + " ".join(f"{x:.3f}" for x in worst)
+                        + " |"
+                    )
             lines.append("")
-            lines.append("p99 is by nearest rank: with fewer than 100 calls it is the worst call. "
-                         "`forecast resident` is the forecast's resident_buffers after the last step (the step of its "
-                         "last walk in brackets); "
-                         "`exact` = chains x (depth + steps run) stranded scalars + chains evaluated roots; "
-                         "`account()` = mlx_watchdog.core.graph.account of the chains after the last step "
-                         "(retained + evaluated), each engine's own.")
+            lines.append(
+                "p99 is by nearest rank: with fewer than 100 calls it is the worst call. "
+                "`forecast resident` is the forecast's resident_buffers after the last step (the step of its "
+                "last walk in brackets); "
+                "`exact` = chains x (depth + steps run) stranded scalars + chains evaluated roots; "
+                "`account()` = mlx_watchdog.core.graph.account of the chains after the last step "
+                "(retained + evaluated), each engine's own."
+            )
             lines.append("")
     if errors:
         lines += ["## Errors and watchdog log messages", ""]

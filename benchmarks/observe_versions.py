@@ -36,8 +36,13 @@ def load(name: str, root: str):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--version", action="append", required=True, metavar="NAME=DIR",
-                   help="a package version: NAME=a folder holding watchdog/ (and exporters/)")
+    p.add_argument(
+        "--version",
+        action="append",
+        required=True,
+        metavar="NAME=DIR",
+        help="a package version: NAME=a folder holding watchdog/ (and exporters/)",
+    )
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--steps", type=int, default=3000)
     args = p.parse_args(argv)
@@ -61,7 +66,7 @@ def main(argv=None) -> int:
     later: dict[str, list[float]] = {n: [] for n in names}
     clock = time.perf_counter
     for step in range(args.steps):
-        order = names[step % len(names):] + names[:step % len(names)]
+        order = names[step % len(names) :] + names[: step % len(names)]
         for position, name in enumerate(order):
             wd = watchdogs[name]
             walks = wd.walks
@@ -77,8 +82,10 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for name in names:
         cold = sorted(first[name])
-        print(f"| {name} | {statistics.median(cold) * 1e6:.2f} | {cold[len(cold) // 4] * 1e6:.2f} | {len(cold)} "
-              f"| {statistics.median(later[name]) * 1e6:.2f} |")
+        print(
+            f"| {name} | {statistics.median(cold) * 1e6:.2f} | {cold[len(cold) // 4] * 1e6:.2f} | {len(cold)} "
+            f"| {statistics.median(later[name]) * 1e6:.2f} |"
+        )
     return 0
 
 

@@ -35,8 +35,15 @@ import time
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_variants import (VARIANTS, add_model_arguments, interleaved, make_model, model_defaults,  # noqa: E402
-                             prompts_for, revision)
+from decode_variants import (  # noqa: E402
+    VARIANTS,
+    add_model_arguments,
+    interleaved,
+    make_model,
+    model_defaults,
+    prompts_for,
+    revision,
+)
 from paired_stats import STALL_FACTOR, emit, paired_ratio, read_records, rounds_by_variant, stalls  # noqa: E402
 
 
@@ -45,19 +52,38 @@ def parse_args(argv=None):
     add_model_arguments(p)
     p.add_argument("--steps", type=int, default=2500, help="decode steps per variant per repetition")
     p.add_argument("--reps", type=int, default=1, help="repetitions (fresh decodes)")
-    p.add_argument("--chunk", type=int, default=16, help="steps per turn; with --interleave-steps, steps per "
-                                                          "record (the bootstrap's unit)")
-    p.add_argument("--interleave-steps", action="store_true",
-                   help="variants take turns every step, no device wait between: each step's time is the host's "
-                        "work for it (what a host-bound decode runs at), paired within milliseconds")
-    p.add_argument("--variants", default="unwatched,aa,watched,fix", help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=16,
+        help="steps per turn; with --interleave-steps, steps per record (the bootstrap's unit)",
+    )
+    p.add_argument(
+        "--interleave-steps",
+        action="store_true",
+        help="variants take turns every step, no device wait between: each step's time is the host's "
+        "work for it (what a host-bound decode runs at), paired within milliseconds",
+    )
+    p.add_argument(
+        "--variants", default="unwatched,aa,watched,fix", help=f"comma list of {', '.join(VARIANTS)}"
+    )
     p.add_argument("--compare", default="", help="extra pairs A:B, comma separated (e.g. fix:every256)")
-    p.add_argument("--jsonl", default=None, help="append the per-chunk records here (default: $OUT/chunks.jsonl, "
-                                                  "or a file in the temporary folder)")
-    p.add_argument("--time-box", type=float, default=None, help="seconds: start no round that would end later")
-    p.add_argument("--warmup", type=int, default=32, help="untimed steps of every variant first (one-off costs)")
+    p.add_argument(
+        "--jsonl",
+        default=None,
+        help="append the per-chunk records here (default: $OUT/chunks.jsonl, "
+        "or a file in the temporary folder)",
+    )
+    p.add_argument(
+        "--time-box", type=float, default=None, help="seconds: start no round that would end later"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=32, help="untimed steps of every variant first (one-off costs)"
+    )
     p.add_argument("--out", default=None, help="also append the markdown report here")
-    p.add_argument("--report", nargs="+", default=None, metavar="JSONL", help="only report these runs' records")
+    p.add_argument(
+        "--report", nargs="+", default=None, metavar="JSONL", help="only report these runs' records"
+    )
     args = p.parse_args(argv)
     args.compare = [tuple(pair.split(":")) for pair in args.compare.split(",") if pair]
     if any(len(pair) != 2 for pair in args.compare):
@@ -100,13 +126,24 @@ def measure(args) -> list[str]:
     started = time.perf_counter()
     deadline = started + args.time_box if args.time_box else None
     recorder = Recorder(args.jsonl, uuid.uuid4().hex[:8])
-    recorder.write({"type": "run", "command": "python benchmarks/paired_speed.py " + shlex.join(sys.argv[1:]),
-                    "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
-                    "mlx": mx.__version__, "device": str(mx.default_device()), "revision": revision(),
-                    "load": os.getloadavg()[0], "variants": args.variants, "compare": [list(c) for c in args.compare], "steps": args.steps,
-                    "chunk": args.chunk, "interleave_steps": args.interleave_steps, "model": f"{args.model} {args.layers} layers hidden {args.hidden or 64} "
-                                                  f"{args.dtype} via {args.path}"
-                                                  + (f", batch {args.batch}" if args.path == "batched" else "")})
+    recorder.write(
+        {
+            "type": "run",
+            "command": "python benchmarks/paired_speed.py " + shlex.join(sys.argv[1:]),
+            "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs",
+            "mlx": mx.__version__,
+            "device": str(mx.default_device()),
+            "revision": revision(),
+            "load": os.getloadavg()[0],
+            "variants": args.variants,
+            "compare": [list(c) for c in args.compare],
+            "steps": args.steps,
+            "chunk": args.chunk,
+            "interleave_steps": args.interleave_steps,
+            "model": f"{args.model} {args.layers} layers hidden {args.hidden or 64} "
+            f"{args.dtype} via {args.path}" + (f", batch {args.batch}" if args.path == "batched" else ""),
+        }
+    )
     model = make_model(args.model, args.layers, args.hidden, args.vocab, args.dtype, args.experts, args.seed)
     prompts = prompts_for(args.batch if args.path == "batched" else 1, args.prompt_len, args.vocab, args.seed)
     interleaved(model, args.variants, args.path, prompts, args.warmup, args.warmup)  # one-off costs, untimed
@@ -117,7 +154,7 @@ def measure(args) -> list[str]:
     for rep in range(args.reps):
         block: dict[str, list] = {}
 
-        def on_chunk(round_, position, decode, rep=rep):
+        def on_chunk(round_, position, decode, rep=rep, block=block):
             tokens, seconds, cpu = decode.last_chunk
             sums = block.setdefault(decode.variant, [0, 0.0, 0.0])
             sums[0] += tokens
@@ -126,21 +163,54 @@ def measure(args) -> list[str]:
             last_of_round = position == len(args.variants) - 1
             if last_of_round and ((round_ + 1) % per_record == 0 or (round_ + 1) * turn >= args.steps):
                 for variant, (t, sec, c) in block.items():
-                    recorder.write({"type": "chunk", "rep": rep, "round": round_ // per_record, "variant": variant,
-                                    "tokens": t, "seconds": sec, "cpu_seconds": c})
+                    recorder.write(
+                        {
+                            "type": "chunk",
+                            "rep": rep,
+                            "round": round_ // per_record,
+                            "variant": variant,
+                            "tokens": t,
+                            "seconds": sec,
+                            "cpu_seconds": c,
+                        }
+                    )
                 block.clear()
             if last_of_round and round_ % (10 * per_record) == 0:
-                print(f"rep {rep + 1} round {round_ + 1}: {time.perf_counter() - started:.0f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"rep {rep + 1} round {round_ + 1}: {time.perf_counter() - started:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
-        runs = interleaved(model, args.variants, args.path, prompts, args.steps, turn, seed=rep,
-                           on_chunk=on_chunk, deadline=deadline, sync=not args.interleave_steps)
+        runs = interleaved(
+            model,
+            args.variants,
+            args.path,
+            prompts,
+            args.steps,
+            turn,
+            seed=rep,
+            on_chunk=on_chunk,
+            deadline=deadline,
+            sync=not args.interleave_steps,
+        )
         reference = next(r.outputs for r in runs if r.variant == "unwatched")
         for r in runs:
-            recorder.write({"type": "end", "rep": rep, "variant": r.variant, "tokens": r.tokens,
-                            "identical": _same_prefix(r.outputs, reference), "retained_at_end": r.retained_at_end,
-                            "overhead_seconds": r.overhead_seconds, "seconds": r.seconds,
-                            "cpu_seconds": r.cpu_seconds, "walks": r.walks, "gc_seconds": r.gc_seconds})
+            recorder.write(
+                {
+                    "type": "end",
+                    "rep": rep,
+                    "variant": r.variant,
+                    "tokens": r.tokens,
+                    "identical": _same_prefix(r.outputs, reference),
+                    "retained_at_end": r.retained_at_end,
+                    "overhead_seconds": r.overhead_seconds,
+                    "seconds": r.seconds,
+                    "cpu_seconds": r.cpu_seconds,
+                    "walks": r.walks,
+                    "gc_seconds": r.gc_seconds,
+                }
+            )
         if deadline is not None and time.perf_counter() > deadline:
             break
     return [args.jsonl]
@@ -148,7 +218,7 @@ def measure(args) -> list[str]:
 
 def _same_prefix(outputs, reference) -> bool:
     """Same tokens as ``unwatched`` (as far as both got: a time box may end them apart)."""
-    return all(a[:len(b)] == b[:len(a)] for a, b in zip(outputs, reference))
+    return all(a[: len(b)] == b[: len(a)] for a, b in zip(outputs, reference))
 
 
 def report(paths: list[str], compare: list[tuple[str, str]], run_filter=None) -> str:
@@ -162,18 +232,28 @@ def report(paths: list[str], compare: list[tuple[str, str]], run_filter=None) ->
     variants = list(dict.fromkeys(v for r in runs for v in r["variants"])) or sorted(table)
     lines = []
     for r in runs:
-        turns = (f"turns of one step, no device wait between, records of {r['chunk']}" if r.get("interleave_steps")
-                 else f"turns of {r['chunk']} steps, each ending with the device's work")
-        lines += [f"- run {r['run']}: {r['model']}, {r['steps']} steps in {turns}; {r['machine']}, "
-                  f"MLX {r['mlx']} on {r['device']}, mlx-watchdog {r['revision']}, load {r['load']:.1f}",
-                  f"  - command: `{r['command']}`"]
+        turns = (
+            f"turns of one step, no device wait between, records of {r['chunk']}"
+            if r.get("interleave_steps")
+            else f"turns of {r['chunk']} steps, each ending with the device's work"
+        )
+        lines += [
+            f"- run {r['run']}: {r['model']}, {r['steps']} steps in {turns}; {r['machine']}, "
+            f"MLX {r['mlx']} on {r['device']}, mlx-watchdog {r['revision']}, load {r['load']:.1f}",
+            f"  - command: `{r['command']}`",
+        ]
     stalled = stalls(table)
-    lines += ["", "| variant | vs | tokens/s ratio | 95% interval | without stall rounds | 95% interval | per-round IQR "
-              "| rounds | loss > 1% excluded | within +/-1% | CPU vs unwatched | self-timed | retained at end "
-              "| tokens identical |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| variant | vs | tokens/s ratio | 95% interval | without stall rounds | 95% interval | per-round IQR "
+        "| rounds | loss > 1% excluded | within +/-1% | CPU vs unwatched | self-timed | retained at end "
+        "| tokens identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     recorded = [tuple(c) for r in runs for c in r.get("compare", [])]
-    pairs = list(dict.fromkeys([(v, "unwatched") for v in variants if v != "unwatched"] + recorded + list(compare)))
+    pairs = list(
+        dict.fromkeys([(v, "unwatched") for v in variants if v != "unwatched"] + recorded + list(compare))
+    )
     for a, b in pairs:
         ratio, steady = paired_ratio(table, a, b), paired_ratio(table, a, b, skip=stalled)
         if ratio is None or steady is None:
@@ -182,24 +262,38 @@ def report(paths: list[str], compare: list[tuple[str, str]], run_filter=None) ->
         base = [e for e in ends if e["variant"] == "unwatched"]
         cpu = ""
         if mine and base and b == "unwatched":
-            per_token = lambda es: sum(e["cpu_seconds"] for e in es) / max(1, sum(e["tokens"] for e in es))
+
+            def per_token(es):
+                return sum(e["cpu_seconds"] for e in es) / max(1, sum(e["tokens"] for e in es))
+
             cpu = f"{100 * (per_token(mine) / per_token(base) - 1):+.2f}%"
         timed = [e for e in mine if e.get("overhead_seconds") is not None]
-        self_timed = (f"{100 * sum(e['overhead_seconds'] for e in timed) / sum(e['seconds'] for e in timed):.2f}%"
-                      if timed and b == "unwatched" else "")
+        self_timed = (
+            f"{100 * sum(e['overhead_seconds'] for e in timed) / sum(e['seconds'] for e in timed):.2f}%"
+            if timed and b == "unwatched"
+            else ""
+        )
         retained = ", ".join(str(e["retained_at_end"]) for e in mine) if b == "unwatched" else ""
-        identical = ("yes" if all(e["identical"] for e in mine) else "NO") if mine and b == "unwatched" else ""
-        lines.append(f"| {a} | {b} | {ratio.percent()} | {ratio.interval()} | {steady.percent()} | "
-                     f"{steady.interval()} | {100 * steady.spread:.1f} pp | {steady.rounds} | "
-                     f"{'yes' if steady.excludes_loss() else 'no'} | {'yes' if steady.within() else 'no'} | "
-                     f"{cpu} | {self_timed} | {retained} | {identical} |")
+        identical = (
+            ("yes" if all(e["identical"] for e in mine) else "NO") if mine and b == "unwatched" else ""
+        )
+        lines.append(
+            f"| {a} | {b} | {ratio.percent()} | {ratio.interval()} | {steady.percent()} | "
+            f"{steady.interval()} | {100 * steady.spread:.1f} pp | {steady.rounds} | "
+            f"{'yes' if steady.excludes_loss() else 'no'} | {'yes' if steady.within() else 'no'} | "
+            f"{cpu} | {self_timed} | {retained} | {identical} |"
+        )
     slow = collections.Counter(stalled.values())
-    lines += ["", "Ratio: tokens/s of the variant over the reference on the rounds both ran; interval: bootstrap "
-              "over repetitions and the rounds within them (each repetition builds its own decodes); `aa` is the A/A control (its interval should hold 0). "
-              f"Stall rounds: one variant took over {STALL_FACTOR}x the round's median time per token (in one "
-              "process a one-off cost, such as a kernel's first compile for a new shape, falls on whichever variant "
-              "gets there first); the verdicts use the ratio without them. Stall rounds by slow variant: "
-              + (", ".join(f"{v} {n}" for v, n in slow.most_common()) or "none") + "."]
+    lines += [
+        "",
+        "Ratio: tokens/s of the variant over the reference on the rounds both ran; interval: bootstrap "
+        "over repetitions and the rounds within them (each repetition builds its own decodes); `aa` is the A/A control (its interval should hold 0). "
+        f"Stall rounds: one variant took over {STALL_FACTOR}x the round's median time per token (in one "
+        "process a one-off cost, such as a kernel's first compile for a new shape, falls on whichever variant "
+        "gets there first); the verdicts use the ratio without them. Stall rounds by slow variant: "
+        + (", ".join(f"{v} {n}" for v, n in slow.most_common()) or "none")
+        + ".",
+    ]
     return "\n".join(lines) + "\n"
 
 

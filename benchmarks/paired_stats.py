@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -33,7 +33,7 @@ class Ratio:
     rounds: int
     spread: float  # interquartile range of the per-round ratios (what one chunk says alone)
 
-    def percent(self, value: Optional[float] = None) -> str:
+    def percent(self, value: float | None = None) -> str:
         return f"{100 * ((self.ratio if value is None else value) - 1):+.2f}%"
 
     def interval(self) -> str:
@@ -97,7 +97,9 @@ def stalls(table: dict, factor: float = STALL_FACTOR) -> dict[tuple, str]:
     return found
 
 
-def paired_ratio(table: dict, a: str, b: str, seed: int = 0, skip: Iterable = (), levels: int = 2) -> Optional[Ratio]:
+def paired_ratio(
+    table: dict, a: str, b: str, seed: int = 0, skip: Iterable = (), levels: int = 2
+) -> Ratio | None:
     """Tokens/s of ``a`` over ``b`` on the rounds both ran (less ``skip``), with a bootstrap
     interval: ``levels=2`` draws repetitions, then rounds within them; ``levels=1`` keeps every
     repetition and draws only its rounds (blind to what differs between repetitions)."""
@@ -115,11 +117,18 @@ def paired_ratio(table: dict, a: str, b: str, seed: int = 0, skip: Iterable = ()
         strata[k[:2]].append(i)
     # Per repetition and resample, the sums of its drawn rounds: (tokens a, seconds a, tokens b, seconds b).
     columns = np.stack([ta, sa, tb, sb])
-    sums = np.stack([columns[:, rng.choice(np.array(members), size=(BOOTSTRAP_RESAMPLES, len(members)))].sum(-1).T
-                     for members in strata.values()])  # (repetitions, resamples, 4)
+    sums = np.stack(
+        [
+            columns[:, rng.choice(np.array(members), size=(BOOTSTRAP_RESAMPLES, len(members)))].sum(-1).T
+            for members in strata.values()
+        ]
+    )  # (repetitions, resamples, 4)
     reps = len(sums)
-    picked = (rng.integers(0, reps, size=(BOOTSTRAP_RESAMPLES, reps)) if levels == 2
-              else np.tile(np.arange(reps), (BOOTSTRAP_RESAMPLES, 1)))
+    picked = (
+        rng.integers(0, reps, size=(BOOTSTRAP_RESAMPLES, reps))
+        if levels == 2
+        else np.tile(np.arange(reps), (BOOTSTRAP_RESAMPLES, 1))
+    )
     totals = sums[picked, np.arange(BOOTSTRAP_RESAMPLES)[:, None]].sum(1)  # (resamples, 4)
     samples = (totals[:, 0] / totals[:, 1]) / (totals[:, 2] / totals[:, 3])
     per_round = (ta / sa) / (tb / sb)
@@ -129,7 +138,7 @@ def paired_ratio(table: dict, a: str, b: str, seed: int = 0, skip: Iterable = ()
     return Ratio(a, b, float(point), float(low), float(high), len(keys), float(q3 - q1))
 
 
-def emit(text: str, out: Optional[str]) -> None:
+def emit(text: str, out: str | None) -> None:
     """Print a report and append it to ``out`` (a results file), when given."""
     print(text)
     if out:

@@ -46,8 +46,12 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=2000, help="prompt length")
     p.add_argument("--step", type=int, default=128, help="prefill_step_size")
     p.add_argument("--reps", type=int, default=7, help="interleaved repetitions")
-    p.add_argument("--device", choices=("default", "cpu", "gpu"), default="default",
-                   help="MLX device (gpu: Metal or CUDA)")
+    p.add_argument(
+        "--device",
+        choices=("default", "cpu", "gpu"),
+        default="default",
+        help="MLX device (gpu: Metal or CUDA)",
+    )
     p.add_argument("--hidden", type=int, default=0, help="model width (0: tiny's 64-wide config)")
     return p.parse_args(argv)
 
@@ -64,8 +68,14 @@ def widths(hidden: int) -> dict:
     if not hidden:
         return {}
     heads = max(1, hidden // 64)
-    return {"hidden_size": hidden, "intermediate_size": 4 * hidden, "num_attention_heads": heads,
-            "num_key_value_heads": max(1, heads // 4), "head_dim": 64, "moe_intermediate_size": hidden}
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": 4 * hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 4),
+        "head_dim": 64,
+        "moe_intermediate_size": hidden,
+    }
 
 
 def bench(model_type: str, args) -> dict:
@@ -108,24 +118,33 @@ def main(argv=None):
     if args.device != "default":
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
     chunks = -(-(args.tokens - 1) // args.step)
-    print(f"# prefill guard cost: {args.tokens}-token prompt, prefill_step_size={args.step} "
-          f"({chunks} chunks), {args.layers} layers, hidden {args.hidden or 64}, {args.reps} interleaved reps")
-    print(f"# mlx {mx.__version__}, {mx.default_device()}, {platform.machine()}, "
-          f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}")
+    print(
+        f"# prefill guard cost: {args.tokens}-token prompt, prefill_step_size={args.step} "
+        f"({chunks} chunks), {args.layers} layers, hidden {args.hidden or 64}, {args.reps} interleaved reps"
+    )
+    print(
+        f"# mlx {mx.__version__}, {mx.default_device()}, {platform.machine()}, "
+        f"command: python {' '.join(shlex.quote(a) for a in sys.argv)}"
+    )
     print()
-    print("| model | watched s (median, min-max) | guarded s (median, min-max) | guarded/watched - 1 "
-          "(median, min-max) | walks/run | walk share (self-timed) | 1st walk / mean chunk | chunks for <5% |")
+    print(
+        "| model | watched s (median, min-max) | guarded s (median, min-max) | guarded/watched - 1 "
+        "(median, min-max) | walks/run | walk share (self-timed) | 1st walk / mean chunk | chunks for <5% |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for model_type in args.models.split(","):
         r = bench(model_type, args)
         w, g = r["watched"], r["guarded"]
         one = r["walk"] / r["chunk"]
-        print(f"| {r['model']} | {statistics.median(w):.3f} ({min(w):.3f}-{max(w):.3f}) "
-              f"| {statistics.median(g):.3f} ({min(g):.3f}-{max(g):.3f}) "
-              f"| {r['ratio']:+.1%} ({r['ratio_range'][0]:+.1%} to {r['ratio_range'][1]:+.1%}) "
-              f"| {r['walks']:.0f} | {r['share']:.2%} "
-              f"| {one:.1%} ({r['walk'] * 1e3:.1f} ms / {r['chunk'] * 1e3:.1f} ms) "
-              f"| {max(1, -(-one // 0.05)):.0f} |", flush=True)
+        print(
+            f"| {r['model']} | {statistics.median(w):.3f} ({min(w):.3f}-{max(w):.3f}) "
+            f"| {statistics.median(g):.3f} ({min(g):.3f}-{max(g):.3f}) "
+            f"| {r['ratio']:+.1%} ({r['ratio_range'][0]:+.1%} to {r['ratio_range'][1]:+.1%}) "
+            f"| {r['walks']:.0f} | {r['share']:.2%} "
+            f"| {one:.1%} ({r['walk'] * 1e3:.1f} ms / {r['chunk'] * 1e3:.1f} ms) "
+            f"| {max(1, -(-one // 0.05)):.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mlx.core as mx  # noqa: E402
-
-from decode_variants import (VARIANTS, Decode, add_model_arguments, make_model, model_defaults,  # noqa: E402
-                             prompts_for)
+from decode_variants import VARIANTS, Decode, add_model_arguments, make_model, model_defaults, prompts_for  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -33,13 +31,17 @@ def main(argv=None) -> int:
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
     model = make_model(args.model, args.layers, args.hidden, args.vocab, args.dtype, args.experts, args.seed)
     batch = args.batch if args.path == "batched" else 1
-    decode = Decode(model, args.variant, args.path, prompts_for(batch, args.prompt_len, args.vocab), args.steps)
+    decode = Decode(
+        model, args.variant, args.path, prompts_for(batch, args.prompt_len, args.vocab), args.steps
+    )
     started = time.perf_counter()
     decode.timed_chunk(args.steps)
     elapsed = time.perf_counter() - started
     run = decode.finish()
-    print(f"{args.variant}: {run.tokens} tokens in {elapsed:.2f} s, {run.tokens / elapsed:.1f} tok/s, "
-          f"retained at end {run.retained_at_end}")
+    print(
+        f"{args.variant}: {run.tokens} tokens in {elapsed:.2f} s, {run.tokens / elapsed:.1f} tok/s, "
+        f"retained at end {run.retained_at_end}"
+    )
     return 0
 
 

@@ -42,17 +42,27 @@ def summarize(path: str, top: int) -> str:
                 inclusive[key] += n
     if not total:
         return f"## {os.path.basename(path)}\n\nno samples inside timed_chunk\n"
-    lines = [f"## {os.path.basename(path)}", "", f"{total} samples inside the timed decode", "",
-             "| function | file | share of samples (in the stack) | own (innermost frame) |", "|---|---|---|---|"]
+    lines = [
+        f"## {os.path.basename(path)}",
+        "",
+        f"{total} samples inside the timed decode",
+        "",
+        "| function | file | share of samples (in the stack) | own (innermost frame) |",
+        "|---|---|---|---|",
+    ]
     ours = [(k, v) for k, v in inclusive.items() if k[1] in WATCHDOG_FILES]
     rest = [(k, v) for k, v in inclusive.most_common() if k[1] not in WATCHDOG_FILES]
     for (func, file), n in sorted(ours, key=lambda kv: -kv[1]) + rest[:top]:
-        lines.append(f"| {func} | {file} | {100 * n / total:.2f}% | {100 * leaf[(func, file)] / total:.2f}% |")
+        lines.append(
+            f"| {func} | {file} | {100 * n / total:.2f}% | {100 * leaf[(func, file)] / total:.2f}% |"
+        )
     return "\n".join(lines) + "\n"
 
 
 _PACKAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "watchdog")
-WATCHDOG_FILES = {name for name in os.listdir(_PACKAGE) if name.endswith(".py")} if os.path.isdir(_PACKAGE) else set()
+WATCHDOG_FILES = (
+    {name for name in os.listdir(_PACKAGE) if name.endswith(".py")} if os.path.isdir(_PACKAGE) else set()
+)
 
 
 def main(argv=None) -> int:

@@ -25,8 +25,11 @@ def differences(table: dict, variant: str, reference: str, run: str, rep: int) -
     """Per-round seconds of ``variant`` minus ``reference`` in one repetition of one run, in ms,
     on the rounds both ran (``table``: ``paired_stats.rounds_by_variant``)."""
     ours, theirs = table.get(variant, {}), table.get(reference, {})
-    return sorted(1e3 * (seconds - theirs[key][1]) for key, (_, seconds) in ours.items()
-                  if key[:2] == (run, rep) and key in theirs)
+    return sorted(
+        1e3 * (seconds - theirs[key][1])
+        for key, (_, seconds) in ours.items()
+        if key[:2] == (run, rep) and key in theirs
+    )
 
 
 def main() -> None:
@@ -47,8 +50,10 @@ def main() -> None:
             if len(d) < 10:
                 continue
             cut = len(d) // 10
-            print(f"| {variant} | {reference} | {rep} | {len(d)} | {statistics.median(d):+.2f} | {statistics.fmean(d):+.2f}"
-                  f" | {statistics.fmean(d[cut:-cut]):+.2f} | {d[len(d) // 4]:+.2f} .. {d[3 * len(d) // 4]:+.2f} |")
+            print(
+                f"| {variant} | {reference} | {rep} | {len(d)} | {statistics.median(d):+.2f} | {statistics.fmean(d):+.2f}"
+                f" | {statistics.fmean(d[cut:-cut]):+.2f} | {d[len(d) // 4]:+.2f} .. {d[3 * len(d) // 4]:+.2f} |"
+            )
 
 
 if __name__ == "__main__":

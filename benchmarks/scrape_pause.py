@@ -48,8 +48,10 @@ from mlx_watchdog.attach.model import watch_model
 from mlx_watchdog.exporters.prometheus import register_collector, start_metrics_server
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
-PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
-                     "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+PROMETHEUS_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+    "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 CYCLE = 16  # steps per paired measurement: scrape at SCRAPE_AT, control at SCRAPE_AT + 8
 SCRAPE_AT = 4
 
@@ -59,8 +61,10 @@ class Scraper(threading.Thread):
 
     def __init__(self, port: int):
         super().__init__(daemon=True, name="scraper")
-        self.request = (f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: {PROMETHEUS_ACCEPT}\r\n"
-                        "Accept-Encoding: gzip\r\nUser-Agent: Prometheus/2.42.0\r\nConnection: close\r\n\r\n").encode()
+        self.request = (
+            f"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAccept: {PROMETHEUS_ACCEPT}\r\n"
+            "Accept-Encoding: gzip\r\nUser-Agent: Prometheus/2.42.0\r\nConnection: close\r\n\r\n"
+        ).encode()
         self.port = port
         self.go = threading.Event()
         self.loop = False
@@ -125,8 +129,13 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summary_ms(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values) * 1e3, 3), "p90": round(pct(values, 0.9) * 1e3, 3),
-            "p99": round(pct(values, 0.99) * 1e3, 3), "max": round(max(values) * 1e3, 3), "n": len(values)}
+    return {
+        "median": round(statistics.median(values) * 1e3, 3),
+        "p90": round(pct(values, 0.9) * 1e3, 3),
+        "p99": round(pct(values, 0.99) * 1e3, 3),
+        "max": round(max(values) * 1e3, 3),
+        "n": len(values),
+    }
 
 
 def time_calls(fn, n: int) -> dict:
@@ -147,14 +156,18 @@ def cpu_per_scrape(scraper: Scraper, seconds: float) -> dict:
     scraper.stop_loop()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     n = len(scraper.windows) - first
-    return {"scrapes": n, "cpu_ms_per_scrape": round(cpu / n * 1e3, 3), "wall_ms_per_scrape": round(wall / n * 1e3, 3)}
+    return {
+        "scrapes": n,
+        "cpu_ms_per_scrape": round(cpu / n * 1e3, 3),
+        "wall_ms_per_scrape": round(wall / n * 1e3, 3),
+    }
 
 
 def paired(gen: BatchGenerator, scraper: Scraper, scrapes: int) -> dict:
     pauses, controls, spilled = [], [], 0
 
     def excess(times: list[float], at: int) -> float:
-        reference = statistics.median(times[at - 3:at] + times[at + 2:at + 5])
+        reference = statistics.median(times[at - 3 : at] + times[at + 2 : at + 5])
         return times[at] + times[at + 1] - 2 * reference
 
     for _ in range(scrapes):
@@ -170,12 +183,19 @@ def paired(gen: BatchGenerator, scraper: Scraper, scrapes: int) -> dict:
                     spilled += 1  # the scrape outlasted the two steps measured
         pauses.append(excess(times, SCRAPE_AT))
         controls.append(excess(times, SCRAPE_AT + 8))
-    over = lambda xs: round(sum(x > 1e-3 for x in xs) / len(xs), 3)
+
+    def over(xs):
+        return round(sum(x > 1e-3 for x in xs) / len(xs), 3)
+
     return {
-        "scrapes": scrapes, "scrapes_longer_than_two_steps": spilled,
+        "scrapes": scrapes,
+        "scrapes_longer_than_two_steps": spilled,
         "step_median_ms": None,
-        "pause_ms": summary_ms(pauses), "control_ms": summary_ms(controls),
-        "pause_minus_control_median_ms": round((statistics.median(pauses) - statistics.median(controls)) * 1e3, 3),
+        "pause_ms": summary_ms(pauses),
+        "control_ms": summary_ms(controls),
+        "pause_minus_control_median_ms": round(
+            (statistics.median(pauses) - statistics.median(controls)) * 1e3, 3
+        ),
         "pause_mean_ms": round(statistics.fmean(pauses) * 1e3, 3),
         "control_mean_ms": round(statistics.fmean(controls) * 1e3, 3),
         "fraction_over_1ms": {"pause": over(pauses), "control": over(controls)},
@@ -198,10 +218,12 @@ def blocks(gen: BatchGenerator, scraper: Scraper, steps: int, reps: int) -> dict
                 per_scrape.append((sum(times), len(scraper.windows) - first))
     off = statistics.median(medians["off"])
     return {
-        "steps_per_block": steps, "reps": reps,
+        "steps_per_block": steps,
+        "reps": reps,
         "off_block_medians_ms": [round(x * 1e3, 3) for x in medians["off"]],
         "on_block_medians_ms": [round(x * 1e3, 3) for x in medians["on"]],
-        "off_median_ms": round(off * 1e3, 3), "on_median_ms": round(statistics.median(medians["on"]) * 1e3, 3),
+        "off_median_ms": round(off * 1e3, 3),
+        "on_median_ms": round(statistics.median(medians["on"]) * 1e3, 3),
         "scrapes_per_on_block": [n for _, n in per_scrape],
     }
 
@@ -212,6 +234,7 @@ def gil_probe(scraper: Scraper, seconds: float, reps: int, pace: float = 0.05) -
     thread's) is how long they kept it off the GIL; other processes' CPU does not count, so the
     machine's load hardly matters. It slightly overstates: it includes the scrape's GIL-free
     work (syscalls, zlib) on the other core."""
+
     def spin(until: float) -> list[tuple[float, float, float]]:
         gaps, process, thread = [], time.process_time, time.thread_time
         last, last_other = time.perf_counter(), process() - thread()
@@ -247,9 +270,12 @@ def gil_probe(scraper: Scraper, seconds: float, reps: int, pace: float = 0.05) -
                 while t + width < start + seconds:
                     per_control.append(longest(gaps, t, t + width))
                     t += pace
-    return {"pace_s": pace, "scrape_wall_ms": summary_ms(lengths),
-            "longest_hold_per_scrape_ms": summary_ms(per_scrape),
-            "longest_hold_control_ms": summary_ms(per_control)}
+    return {
+        "pace_s": pace,
+        "scrape_wall_ms": summary_ms(lengths),
+        "longest_hold_per_scrape_ms": summary_ms(per_scrape),
+        "longest_hold_control_ms": summary_ms(per_control),
+    }
 
 
 def _pace(scraper: Scraper, until: float, pace: float) -> None:
@@ -266,8 +292,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=6, help="off/on block pairs")
     parser.add_argument("--probe-seconds", type=float, default=2.0, help="per block of the GIL probe")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--own-registry", action="store_true",
-                        help="serve a registry holding only the watchdog collector")
+    parser.add_argument(
+        "--own-registry", action="store_true", help="serve a registry holding only the watchdog collector"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
 
@@ -288,8 +315,11 @@ def main() -> None:
     load_before = os.getloadavg()
     results = {
         "machine": f"{platform.machine()} {os.cpu_count()} cores, load average {load_before[0]:.2f} at start",
-        "python": platform.python_version(), "mlx": mx.__version__,
-        "served_registry": "own (watchdog collector only)" if args.own_registry else "prometheus_client.REGISTRY",
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "served_registry": "own (watchdog collector only)"
+        if args.own_registry
+        else "prometheus_client.REGISTRY",
         "gil_switch_interval_ms": sys.getswitchinterval() * 1e3,
         "cpu_ms_alone": "thread CPU time per call, nothing else running",
         "forecast_alone_ms": time_calls(wd.forecast, 300),

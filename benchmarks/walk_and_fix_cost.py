@@ -25,8 +25,8 @@ import mlx.core as mx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_variants import Decode, make_model, prompts_for  # noqa: E402
 
-from mlx_watchdog.core.graph import account, export_dot, is_evaluated  # noqa: E402
 from mlx_watchdog.core.arrays import find_arrays  # noqa: E402
+from mlx_watchdog.core.graph import account, export_dot, is_evaluated  # noqa: E402
 
 
 def timed(results: dict, key: str, fn):
@@ -49,8 +49,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     model = make_model("qwen3_next", args.layers, args.hidden, args.vocab, args.dtype, args.experts)
-    decode = Decode(model, "unwatched", "batched", prompts_for(args.batch, 64, args.vocab),
-                    (2 * args.depth + 2) * args.repeats + 40)
+    decode = Decode(
+        model,
+        "unwatched",
+        "batched",
+        prompts_for(args.batch, 64, args.vocab),
+        (2 * args.depth + 2) * args.repeats + 40,
+    )
 
     def cache_arrays():
         return [a for _, a in find_arrays(decode.live_cache())]
@@ -80,15 +85,21 @@ def main(argv=None) -> int:
         timed(r, "fix, chains 1 deep, in flight", lambda: mx.async_eval(pending))
     decode.finish()
 
-    print(f"qwen3_next via BatchGenerator: {args.layers} layers, hidden {args.hidden or 'tiny'}, "
-          f"{args.experts} experts, batch {args.batch}, {args.dtype}; MLX {mx.__version__}, {mx.default_device()}")
-    print(f"cache arrays {len(arrays)}, pending at step entry {len(pending)}; after {args.depth} steps: "
-          f"{reading.pending_nodes} pending nodes, {reading.retained_buffers} retained buffers, "
-          f"{reading.dot_bytes} bytes of DOT\n")
+    print(
+        f"qwen3_next via BatchGenerator: {args.layers} layers, hidden {args.hidden or 'tiny'}, "
+        f"{args.experts} experts, batch {args.batch}, {args.dtype}; MLX {mx.__version__}, {mx.default_device()}"
+    )
+    print(
+        f"cache arrays {len(arrays)}, pending at step entry {len(pending)}; after {args.depth} steps: "
+        f"{reading.pending_nodes} pending nodes, {reading.retained_buffers} retained buffers, "
+        f"{reading.dot_bytes} bytes of DOT\n"
+    )
     print("| what | median ms | min-max ms |\n|---|---|---|")
     for key, values in r.items():
-        print(f"| {key} | {statistics.median(values) * 1e3:.3f} | "
-              f"{min(values) * 1e3:.3f}-{max(values) * 1e3:.3f} |")
+        print(
+            f"| {key} | {statistics.median(values) * 1e3:.3f} | "
+            f"{min(values) * 1e3:.3f}-{max(values) * 1e3:.3f} |"
+        )
     return 0
 
 

@@ -44,8 +44,10 @@ def decode(core, steps: int, layers: int) -> tuple[int, float, float]:
         wd = core.Watchdog(export=False)
         importlib.import_module(f"{package}.attach").watch_model(model, wd)
         cache = make_prompt_cache(model)
-        for _ in zip(range(steps), generate_step(mx.array([1, 2, 3, 4] * 8), model, max_tokens=steps,
-                                                  prompt_cache=cache)):
+        for _ in zip(
+            range(steps),
+            generate_step(mx.array([1, 2, 3, 4] * 8), model, max_tokens=steps, prompt_cache=cache),
+        ):
             pass
     finally:
         schedule.Schedule.walked = walked
@@ -54,15 +56,22 @@ def decode(core, steps: int, layers: int) -> tuple[int, float, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--version", action="append", required=True, metavar="NAME=DIR",
-                   help="a package version: NAME=a folder holding watchdog/ (and exporters/)")
+    p.add_argument(
+        "--version",
+        action="append",
+        required=True,
+        metavar="NAME=DIR",
+        help="a package version: NAME=a folder holding watchdog/ (and exporters/)",
+    )
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--reps", type=int, default=2)
     args = p.parse_args(argv)
     versions = dict(v.split("=", 1) for v in args.version)
     cores = {name: load(f"wd_charge_{name}", root) for name, root in versions.items()}
-    print(f"| version | repetition | walks in {args.steps} steps | charged per walk, median ms | overhead, ms |")
+    print(
+        f"| version | repetition | walks in {args.steps} steps | charged per walk, median ms | overhead, ms |"
+    )
     print("|---|---|---|---|---|")
     for rep in range(args.reps):
         for name, core in cores.items():

@@ -30,7 +30,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import h11
 
@@ -60,9 +60,17 @@ class BoundedHTTPServer:
     ``start()`` returns once the server accepts connections; ``close()`` stops it, closes every
     connection and the socket, and joins the threads."""
 
-    def __init__(self, app: Callable, sock: socket.socket, *, ssl_context: Optional[ssl.SSLContext] = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-                 max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, name: str = "mlx-watchdog-metrics"):
+    def __init__(
+        self,
+        app: Callable,
+        sock: socket.socket,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        name: str = "mlx-watchdog-metrics",
+    ):
         self.app = app
         self.socket = sock
         self.ssl_context = ssl_context
@@ -72,10 +80,10 @@ class BoundedHTTPServer:
         self.evicted = 0  # connections closed to make room for a newer one
         self._connections: dict[_Connection, None] = {}  # insertion-ordered
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-render")
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._stop: Optional[asyncio.Event] = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @property
@@ -86,7 +94,7 @@ class BoundedHTTPServer:
     def open_connections(self) -> int:
         return len(self._connections)
 
-    def start(self) -> "BoundedHTTPServer":
+    def start(self) -> BoundedHTTPServer:
         self.thread.start()
         self._ready.wait(10)
         if self._error is not None:
@@ -208,7 +216,8 @@ class BoundedHTTPServer:
                 await self._reply_error(conn.writer, http, exc.error_status_hint)
                 return
             status, headers, payload = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._call_app, request)
+                self._executor, self._call_app, request
+            )
             if request.method == b"HEAD":
                 payload = b""
             await self._send(conn.writer, http, status, headers, payload)
@@ -230,7 +239,11 @@ class BoundedHTTPServer:
             return
         reason = {413: "Content Too Large", 431: "Request Header Fields Too Large"}.get(status, "Bad Request")
         text = f"{status} {reason}\n".encode()
-        headers = [("Content-Type", "text/plain"), ("Content-Length", str(len(text))), ("Connection", "close")]
+        headers = [
+            ("Content-Type", "text/plain"),
+            ("Content-Length", str(len(text))),
+            ("Connection", "close"),
+        ]
         try:
             await self._send(writer, http, status, headers, text)
         except (h11.LocalProtocolError, asyncio.TimeoutError, ConnectionError, OSError):
@@ -242,12 +255,19 @@ class BoundedHTTPServer:
         path, _, query = target.partition("?")
         environ = {
             "REQUEST_METHOD": "GET" if request.method == b"HEAD" else request.method.decode("latin-1"),
-            "PATH_INFO": path, "QUERY_STRING": query, "SCRIPT_NAME": "",
-            "SERVER_NAME": str(self.server_address[0]), "SERVER_PORT": str(self.server_address[1]),
+            "PATH_INFO": path,
+            "QUERY_STRING": query,
+            "SCRIPT_NAME": "",
+            "SERVER_NAME": str(self.server_address[0]),
+            "SERVER_PORT": str(self.server_address[1]),
             "SERVER_PROTOCOL": "HTTP/" + request.http_version.decode("latin-1"),
-            "wsgi.version": (1, 0), "wsgi.url_scheme": "https" if self.ssl_context else "http",
-            "wsgi.input": io.BytesIO(), "wsgi.errors": io.StringIO(),
-            "wsgi.multithread": True, "wsgi.multiprocess": False, "wsgi.run_once": False,
+            "wsgi.version": (1, 0),
+            "wsgi.url_scheme": "https" if self.ssl_context else "http",
+            "wsgi.input": io.BytesIO(),
+            "wsgi.errors": io.StringIO(),
+            "wsgi.multithread": True,
+            "wsgi.multiprocess": False,
+            "wsgi.run_once": False,
         }
         for name, value in request.headers:
             key = "HTTP_" + name.decode("latin-1").upper().replace("-", "_")
@@ -255,7 +275,9 @@ class BoundedHTTPServer:
                 environ[key] = value.decode("latin-1")
         started = []
         try:
-            chunks = self.app(environ, lambda status, headers, exc_info=None: started.append((status, headers)))
+            chunks = self.app(
+                environ, lambda status, headers, exc_info=None: started.append((status, headers))
+            )
             payload = b"".join(chunks)
             status, headers = started[0]
             code = int(status.split(" ", 1)[0])

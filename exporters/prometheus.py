@@ -24,7 +24,7 @@ import socket
 import ssl
 import threading
 import weakref
-from typing import Iterable, Iterator, Optional, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import prometheus_client
@@ -32,8 +32,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
 from .. import __version__
-from ..core.watchdog import Watchdog, live_watchdogs
 from ..core.limits import device_name
+from ..core.watchdog import Watchdog, live_watchdogs
 from .http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, BoundedHTTPServer
 
 logger = logging.getLogger("mlx_watchdog")
@@ -58,73 +58,156 @@ class _Spec:
 
 # The names are a contract: the Grafana dashboard and the alert rules query them.
 _SPECS = (
-    _Spec("mlx_watchdog_resident_buffers", "gauge",
-          "Buffers (device allocations held by MLX arrays) estimated alive now: model parameters, "
-          "cache arrays and the buffers that pending lazy graphs keep alive."),
-    _Spec("mlx_watchdog_resource_limit_buffers", "gauge",
-          "The buffer limit the forecast counts against (Metal's resource_limit; 499000 where the "
-          "device reports none). A process that allocates past it crashes."),
-    _Spec("mlx_watchdog_buffers_per_step", "gauge",
-          "Net growth of resident buffers per decode step now; 0 when flat or not decoding, above 0 "
-          "means a leak, NaN until measured (see mlx_watchdog_rate_known)."),
-    _Spec("mlx_watchdog_steps_to_limit", "gauge",
-          "Decode steps left until resident buffers reach the limit at the current growth "
-          "(+Inf when not growing or not decoding, NaN until measured)."),
-    _Spec("mlx_watchdog_time_to_limit_seconds", "gauge",
-          "Seconds left until resident buffers reach the limit at the current growth and step rate "
-          "(+Inf when not growing or not decoding, NaN until measured).", unit="seconds"),
-    _Spec("mlx_watchdog_rate_known", "gauge",
-          "1 once the growth per step has been measured on the caches alive now, 0 before: "
-          "buffers_per_step and the time to the limit are then NaN, not a reading of no leak."),
-    _Spec("mlx_watchdog_decoding", "gauge",
-          "1 while decode steps are observed, 0 when none came for a few seconds or the "
-          "generation ended (resident buffers still held stay in resident_buffers)."),
-    _Spec("mlx_watchdog_pending_graph_nodes", "gauge",
-          "Unevaluated (lazy) graph nodes hanging off the watched cache at the last measurement."),
-    _Spec("mlx_watchdog_leak_buffers_per_step", "gauge",
-          "Buffers per decode step added by one leaking site that nothing repairs; site is the "
-          "class and attribute that holds them, e.g. ArraysCache.left_padding; site=\"other\" sums "
-          "the sites past the exporter's max_sites.", ("site",)),
-    _Spec("mlx_watchdog_fixed_leak_buffers_per_step", "gauge",
-          "Buffers per decode step a leaking site would add, which the fix cuts (Watchdog(fix=True)): "
-          "the leak is there, the fix repairs it; site=\"other\" as for the unrepaired ones.", ("site",)),
-    _Spec("mlx_watchdog_folded_leak_sites", "gauge",
-          "Leak sites summed into the site=\"other\" series of the two leak families at this scrape "
-          "(0 while every site has its own series; the exporter's max_sites bounds them)."),
-    _Spec("mlx_watchdog_prefill_graph_nodes", "gauge",
-          "Lazy graph nodes of the last multi-token (prefill) forward pass."),
-    _Spec("mlx_watchdog_max_safe_prefill_tokens", "gauge",
-          "Largest prefill chunk in tokens whose lazy graph stays within the buffer limit."),
-    _Spec("mlx_watchdog_memory_active_bytes", "gauge",
-          "Memory in bytes held by live MLX arrays (mx.get_active_memory); process-wide, the same "
-          "value on every watchdog of the process.", unit="bytes"),
-    _Spec("mlx_watchdog_memory_peak_bytes", "gauge",
-          "Highest MLX active memory in bytes since the process started or the peak was reset "
-          "(mx.get_peak_memory); process-wide.", unit="bytes"),
-    _Spec("mlx_watchdog_memory_cache_bytes", "gauge",
-          "Memory in bytes MLX keeps cached for reuse, not held by arrays (mx.get_cache_memory); "
-          "process-wide.", unit="bytes"),
-    _Spec("mlx_watchdog_memory_limit_bytes", "gauge",
-          "MLX's memory limit in bytes (mx.get_memory_limit); process-wide.", unit="bytes"),
-    _Spec("mlx_watchdog_info", "gauge",
-          "Always 1; the labels say which versions, device and fix mode the watchdog runs with.",
-          ("version", "mlx_version", "mlx_lm_version", "device", "fix")),
-    _Spec("mlx_watchdog_steps", "counter",
-          "Forward passes the watchdog observed with a cache: decode steps, plus prefill and "
-          "look-ahead forwards."),
-    _Spec("mlx_watchdog_materialized_arrays", "counter",
-          "Pending cache arrays the fix scheduled for evaluation (Watchdog(fix=True))."),
-    _Spec("mlx_watchdog_fix_failures", "counter",
-          "Pending cache arrays the fix could not schedule (MLX refused them, e.g. made on another "
-          "thread's stream); the others were scheduled."),
-    _Spec("mlx_watchdog_reclaimed_buffers", "counter",
-          "Buffers the fix kept from accumulating (the growth it cut, summed over steps)."),
-    _Spec("mlx_watchdog_stops", "counter",
-          "Generations the watchdog stopped before the limit, by reason.", ("reason",)),
-    _Spec("mlx_watchdog_overhead_seconds", "counter",
-          "Seconds the watchdog spent on the decode thread (observe calls).", unit="seconds"),
-    _Spec("mlx_watchdog_internal_errors", "counter",
-          "Errors inside the watchdog or this exporter that were caught; the decode went on."),
+    _Spec(
+        "mlx_watchdog_resident_buffers",
+        "gauge",
+        "Buffers (device allocations held by MLX arrays) estimated alive now: model parameters, "
+        "cache arrays and the buffers that pending lazy graphs keep alive.",
+    ),
+    _Spec(
+        "mlx_watchdog_resource_limit_buffers",
+        "gauge",
+        "The buffer limit the forecast counts against (Metal's resource_limit; 499000 where the "
+        "device reports none). A process that allocates past it crashes.",
+    ),
+    _Spec(
+        "mlx_watchdog_buffers_per_step",
+        "gauge",
+        "Net growth of resident buffers per decode step now; 0 when flat or not decoding, above 0 "
+        "means a leak, NaN until measured (see mlx_watchdog_rate_known).",
+    ),
+    _Spec(
+        "mlx_watchdog_steps_to_limit",
+        "gauge",
+        "Decode steps left until resident buffers reach the limit at the current growth "
+        "(+Inf when not growing or not decoding, NaN until measured).",
+    ),
+    _Spec(
+        "mlx_watchdog_time_to_limit_seconds",
+        "gauge",
+        "Seconds left until resident buffers reach the limit at the current growth and step rate "
+        "(+Inf when not growing or not decoding, NaN until measured).",
+        unit="seconds",
+    ),
+    _Spec(
+        "mlx_watchdog_rate_known",
+        "gauge",
+        "1 once the growth per step has been measured on the caches alive now, 0 before: "
+        "buffers_per_step and the time to the limit are then NaN, not a reading of no leak.",
+    ),
+    _Spec(
+        "mlx_watchdog_decoding",
+        "gauge",
+        "1 while decode steps are observed, 0 when none came for a few seconds or the "
+        "generation ended (resident buffers still held stay in resident_buffers).",
+    ),
+    _Spec(
+        "mlx_watchdog_pending_graph_nodes",
+        "gauge",
+        "Unevaluated (lazy) graph nodes hanging off the watched cache at the last measurement.",
+    ),
+    _Spec(
+        "mlx_watchdog_leak_buffers_per_step",
+        "gauge",
+        "Buffers per decode step added by one leaking site that nothing repairs; site is the "
+        'class and attribute that holds them, e.g. ArraysCache.left_padding; site="other" sums '
+        "the sites past the exporter's max_sites.",
+        ("site",),
+    ),
+    _Spec(
+        "mlx_watchdog_fixed_leak_buffers_per_step",
+        "gauge",
+        "Buffers per decode step a leaking site would add, which the fix cuts (Watchdog(fix=True)): "
+        'the leak is there, the fix repairs it; site="other" as for the unrepaired ones.',
+        ("site",),
+    ),
+    _Spec(
+        "mlx_watchdog_folded_leak_sites",
+        "gauge",
+        'Leak sites summed into the site="other" series of the two leak families at this scrape '
+        "(0 while every site has its own series; the exporter's max_sites bounds them).",
+    ),
+    _Spec(
+        "mlx_watchdog_prefill_graph_nodes",
+        "gauge",
+        "Lazy graph nodes of the last multi-token (prefill) forward pass.",
+    ),
+    _Spec(
+        "mlx_watchdog_max_safe_prefill_tokens",
+        "gauge",
+        "Largest prefill chunk in tokens whose lazy graph stays within the buffer limit.",
+    ),
+    _Spec(
+        "mlx_watchdog_memory_active_bytes",
+        "gauge",
+        "Memory in bytes held by live MLX arrays (mx.get_active_memory); process-wide, the same "
+        "value on every watchdog of the process.",
+        unit="bytes",
+    ),
+    _Spec(
+        "mlx_watchdog_memory_peak_bytes",
+        "gauge",
+        "Highest MLX active memory in bytes since the process started or the peak was reset "
+        "(mx.get_peak_memory); process-wide.",
+        unit="bytes",
+    ),
+    _Spec(
+        "mlx_watchdog_memory_cache_bytes",
+        "gauge",
+        "Memory in bytes MLX keeps cached for reuse, not held by arrays (mx.get_cache_memory); process-wide.",
+        unit="bytes",
+    ),
+    _Spec(
+        "mlx_watchdog_memory_limit_bytes",
+        "gauge",
+        "MLX's memory limit in bytes (mx.get_memory_limit); process-wide.",
+        unit="bytes",
+    ),
+    _Spec(
+        "mlx_watchdog_info",
+        "gauge",
+        "Always 1; the labels say which versions, device and fix mode the watchdog runs with.",
+        ("version", "mlx_version", "mlx_lm_version", "device", "fix"),
+    ),
+    _Spec(
+        "mlx_watchdog_steps",
+        "counter",
+        "Forward passes the watchdog observed with a cache: decode steps, plus prefill and "
+        "look-ahead forwards.",
+    ),
+    _Spec(
+        "mlx_watchdog_materialized_arrays",
+        "counter",
+        "Pending cache arrays the fix scheduled for evaluation (Watchdog(fix=True)).",
+    ),
+    _Spec(
+        "mlx_watchdog_fix_failures",
+        "counter",
+        "Pending cache arrays the fix could not schedule (MLX refused them, e.g. made on another "
+        "thread's stream); the others were scheduled.",
+    ),
+    _Spec(
+        "mlx_watchdog_reclaimed_buffers",
+        "counter",
+        "Buffers the fix kept from accumulating (the growth it cut, summed over steps).",
+    ),
+    _Spec(
+        "mlx_watchdog_stops",
+        "counter",
+        "Generations the watchdog stopped before the limit, by reason.",
+        ("reason",),
+    ),
+    _Spec(
+        "mlx_watchdog_overhead_seconds",
+        "counter",
+        "Seconds the watchdog spent on the decode thread (observe calls).",
+        unit="seconds",
+    ),
+    _Spec(
+        "mlx_watchdog_internal_errors",
+        "counter",
+        "Errors inside the watchdog or this exporter that were caught; the decode went on.",
+    ),
 )
 
 _STOP_REASONS = ("forecast",)  # exported at 0 before the first stop, so rate() works at once
@@ -145,6 +228,7 @@ def exposed_metric_names() -> set[str]:
 
 # --------------------------------------------------------------------------- the collector
 
+
 class WatchdogCollector:
     """A prometheus_client collector: ``collect()`` builds the metric families from the
     watchdogs' state when Prometheus scrapes.
@@ -154,7 +238,7 @@ class WatchdogCollector:
     produce duplicate series, so a later one is exported as ``name-2``, ``name-3`` (with a
     warning); name your watchdogs ``Watchdog(name=...)`` to choose."""
 
-    def __init__(self, watchdogs: Optional[Sequence[Watchdog]] = None, *, max_sites: int = DEFAULT_MAX_SITES):
+    def __init__(self, watchdogs: Sequence[Watchdog] | None = None, *, max_sites: int = DEFAULT_MAX_SITES):
         self.max_sites = max_sites  # checked by the property
         if watchdogs is not None:
             watchdogs = list(watchdogs)
@@ -164,10 +248,10 @@ class WatchdogCollector:
         self._watchdogs = watchdogs
         self._lock = threading.Lock()  # scrapes may run on several server threads at once
         # watchdog -> (its name, its label) as last exported; entries go with the watchdogs
-        self._labels: "weakref.WeakKeyDictionary[Watchdog, tuple[str, str]]" = weakref.WeakKeyDictionary()
+        self._labels: weakref.WeakKeyDictionary[Watchdog, tuple[str, str]] = weakref.WeakKeyDictionary()
         # watchdog -> {family: the sites last exported}; a site that stops leaking stays at 0
-        self._known_sites: "weakref.WeakKeyDictionary[Watchdog, dict]" = weakref.WeakKeyDictionary()
-        self._static: Optional[dict[str, str]] = None
+        self._known_sites: weakref.WeakKeyDictionary[Watchdog, dict] = weakref.WeakKeyDictionary()
+        self._static: dict[str, str] | None = None
 
     @property
     def max_sites(self) -> int:
@@ -177,8 +261,9 @@ class WatchdogCollector:
     @max_sites.setter
     def max_sites(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 2:
-            raise ValueError(f"max_sites must be an integer of at least 2 (the top sites plus one "
-                             f"\"other\"), got {value!r}")
+            raise ValueError(
+                f'max_sites must be an integer of at least 2 (the top sites plus one "other"), got {value!r}'
+            )
         self._max_sites = int(value)
 
     def describe(self) -> list:
@@ -239,13 +324,20 @@ class WatchdogCollector:
             ("mlx_watchdog_pending_graph_nodes", base, f.pending_graph_nodes),
         ]
         rows += self._site_rows(wd, f, base)
-        for name, value in (("mlx_watchdog_prefill_graph_nodes", f.prefill_graph_nodes),
-                            ("mlx_watchdog_max_safe_prefill_tokens", f.max_safe_prefill_tokens)):
+        for name, value in (
+            ("mlx_watchdog_prefill_graph_nodes", f.prefill_graph_nodes),
+            ("mlx_watchdog_max_safe_prefill_tokens", f.max_safe_prefill_tokens),
+        ):
             if value is not None:
                 rows.append((name, base, value))
         rows += [(name, base, value) for name, value in memory.items()]
-        info = (static["version"], static["mlx_version"], static["mlx_lm_version"], static["device"],
-                "true" if wd.fix else "false")
+        info = (
+            static["version"],
+            static["mlx_version"],
+            static["mlx_lm_version"],
+            static["device"],
+            "true" if wd.fix else "false",
+        )
         rows.append(("mlx_watchdog_info", base + info, 1))
         rows += [
             ("mlx_watchdog_steps", base, wd.steps),
@@ -272,8 +364,10 @@ class WatchdogCollector:
         rows, folded = [], 0
         with self._lock:
             known = self._known_sites.setdefault(wd, {})
-            for name, cut in (("mlx_watchdog_leak_buffers_per_step", False),
-                              ("mlx_watchdog_fixed_leak_buffers_per_step", True)):
+            for name, cut in (
+                ("mlx_watchdog_leak_buffers_per_step", False),
+                ("mlx_watchdog_fixed_leak_buffers_per_step", True),
+            ):
                 by_site: dict[str, float] = {}
                 for leak in f.leaks:
                     if bool(leak.cut) == cut:
@@ -281,13 +375,13 @@ class WatchdogCollector:
                         by_site[site] = by_site.get(site, 0.0) + float(leak.buffers_per_step)
                 ranked = sorted(by_site.items(), key=lambda kv: (-kv[1], kv[0]))
                 if len(ranked) > self.max_sites:
-                    kept, rest = ranked[:self.max_sites - 1], ranked[self.max_sites - 1:]
+                    kept, rest = ranked[: self.max_sites - 1], ranked[self.max_sites - 1 :]
                     other = sum(v for _, v in rest) + dict(kept).get(OTHER_SITE, 0.0)
                     ranked = [(site, v) for site, v in kept if site != OTHER_SITE] + [(OTHER_SITE, other)]
                     folded += len(rest)
                 # Sites that leaked before and no longer do: 0, in the room the cap leaves.
                 gone = [site for site in known.get(name, ()) if site not in by_site]
-                ranked += [(site, 0.0) for site in gone[:max(0, self.max_sites - len(ranked))]]
+                ranked += [(site, 0.0) for site in gone[: max(0, self.max_sites - len(ranked))]]
                 known[name] = dict.fromkeys(site for site, _ in ranked)
                 # Not decoding, nothing grows now: the sites stay, at 0 (no alert for an idle server).
                 rows += [(name, base + (site,), v if f.decoding else 0.0) for site, v in ranked]
@@ -315,8 +409,13 @@ class WatchdogCollector:
                     n += 1
                     label = f"{name}-{n}"
                 if label != name:
-                    logger.warning("mlx-watchdog exporter: two watchdogs are named %r; exporting %r as "
-                                   "watchdog=%r (set Watchdog(name=...) to choose)", name, wd, label)
+                    logger.warning(
+                        "mlx-watchdog exporter: two watchdogs are named %r; exporting %r as "
+                        "watchdog=%r (set Watchdog(name=...) to choose)",
+                        name,
+                        wd,
+                        label,
+                    )
                 labels[wd] = label
                 used.add((label, rank))
                 self._labels[wd] = (name, label)
@@ -341,7 +440,10 @@ def _counter_rows(wd: Watchdog, label: str, with_rank: bool) -> list[tuple]:
     """What a watchdog whose forecast fails still exports: its step and error counters."""
     base = (label,) + ((str(wd.rank),) if with_rank else ())
     rows = []
-    for name, attribute in (("mlx_watchdog_steps", "steps"), ("mlx_watchdog_internal_errors", "internal_errors")):
+    for name, attribute in (
+        ("mlx_watchdog_steps", "steps"),
+        ("mlx_watchdog_internal_errors", "internal_errors"),
+    ):
         try:
             value = getattr(wd, attribute)
             if isinstance(value, numbers.Real) and not isinstance(value, bool):
@@ -409,12 +511,13 @@ def _package_version(name: str) -> str:
 
 # --------------------------------------------------------------------------- registries
 
-_registered: "weakref.WeakKeyDictionary[CollectorRegistry, WatchdogCollector]" = weakref.WeakKeyDictionary()
+_registered: weakref.WeakKeyDictionary[CollectorRegistry, WatchdogCollector] = weakref.WeakKeyDictionary()
 _register_lock = threading.Lock()
 
 
-def register_collector(registry: Optional[CollectorRegistry] = None, *,
-                       max_sites: Optional[int] = None) -> WatchdogCollector:
+def register_collector(
+    registry: CollectorRegistry | None = None, *, max_sites: int | None = None
+) -> WatchdogCollector:
     """Register one :class:`WatchdogCollector` (every live watchdog) on ``registry`` (default:
     prometheus_client's global ``REGISTRY``), once; later calls return the same collector.
     ``max_sites`` (default 20) bounds the site series per leak family and watchdog.
@@ -423,7 +526,9 @@ def register_collector(registry: Optional[CollectorRegistry] = None, *,
     no ``/proc``), the standard ``process_*`` metrics are added from psutil."""
     registry = REGISTRY if registry is None else registry
     if not hasattr(registry, "register"):
-        raise ValueError(f"registry must be a prometheus_client CollectorRegistry, got {type(registry).__name__}")
+        raise ValueError(
+            f"registry must be a prometheus_client CollectorRegistry, got {type(registry).__name__}"
+        )
     with _register_lock:
         collector = _registered.get(registry)
         if collector is None:
@@ -461,19 +566,28 @@ class PsutilProcessCollector:
         except Exception as exc:
             logger.debug("mlx-watchdog: psutil process metrics unavailable: %r", exc)
             return
-        yield GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.",
-                                value=memory.vms)
-        yield GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.",
-                                value=memory.rss)
-        yield GaugeMetricFamily("process_start_time_seconds",
-                                "Start time of the process since unix epoch in seconds.", value=started)
-        yield CounterMetricFamily("process_cpu_seconds", "Total user and system CPU time spent in seconds.",
-                                  value=cpu.user + cpu.system, unit="seconds")
+        yield GaugeMetricFamily(
+            "process_virtual_memory_bytes", "Virtual memory size in bytes.", value=memory.vms
+        )
+        yield GaugeMetricFamily(
+            "process_resident_memory_bytes", "Resident memory size in bytes.", value=memory.rss
+        )
+        yield GaugeMetricFamily(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            value=started,
+        )
+        yield CounterMetricFamily(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds.",
+            value=cpu.user + cpu.system,
+            unit="seconds",
+        )
         if fds is not None:
             yield GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=fds)
 
 
-def register_process_collector(registry: CollectorRegistry, probe=None) -> Optional[PsutilProcessCollector]:
+def register_process_collector(registry: CollectorRegistry, probe=None) -> PsutilProcessCollector | None:
     """Add :class:`PsutilProcessCollector` to ``registry`` when the process collector there
     (``probe``, default prometheus_client's ``PROCESS_COLLECTOR``) exports nothing and no other
     collector exports ``process_resident_memory_bytes``; returns it, or None when not needed."""
@@ -491,7 +605,7 @@ def register_process_collector(registry: CollectorRegistry, probe=None) -> Optio
         return None
 
 
-def make_wsgi_app(registry: Optional[CollectorRegistry] = None, **options):
+def make_wsgi_app(registry: CollectorRegistry | None = None, **options):
     """A WSGI app serving the metrics (prometheus_client's), with the collector registered.
     Mount it at ``/metrics`` in your own server. ``options`` go to prometheus_client."""
     registry = REGISTRY if registry is None else registry
@@ -499,7 +613,7 @@ def make_wsgi_app(registry: Optional[CollectorRegistry] = None, **options):
     return prometheus_client.make_wsgi_app(registry, **options)
 
 
-def make_asgi_app(registry: Optional[CollectorRegistry] = None, **options):
+def make_asgi_app(registry: CollectorRegistry | None = None, **options):
     """An ASGI app serving the metrics (prometheus_client's), with the collector registered."""
     registry = REGISTRY if registry is None else registry
     register_collector(registry)
@@ -507,6 +621,7 @@ def make_asgi_app(registry: Optional[CollectorRegistry] = None, **options):
 
 
 # --------------------------------------------------------------------------- the HTTP server
+
 
 @dataclasses.dataclass
 class MetricsServer:
@@ -531,7 +646,7 @@ class MetricsServer:
                 del _servers[key]
         self.server.close()
 
-    def __enter__(self) -> "MetricsServer":
+    def __enter__(self) -> MetricsServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -546,16 +661,16 @@ def start_metrics_server(
     port: int = DEFAULT_PORT,
     addr: str = "127.0.0.1",
     *,
-    registry: Optional[CollectorRegistry] = None,
-    certfile: Optional[str] = None,
-    keyfile: Optional[str] = None,
-    client_cafile: Optional[str] = None,
-    client_capath: Optional[str] = None,
+    registry: CollectorRegistry | None = None,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    client_cafile: str | None = None,
+    client_capath: str | None = None,
     client_auth_required: bool = False,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-    max_sites: Optional[int] = None,
+    max_sites: int | None = None,
 ) -> MetricsServer:
     """Serve ``/metrics`` for every live watchdog on ``addr:port`` from a daemon thread.
 
@@ -585,18 +700,29 @@ def start_metrics_server(
         running = _servers.get((addr, port)) if port else None
         if running is not None:
             if (registry is not None and registry is not running.registry) or (tls and not running.tls):
-                logger.warning("mlx-watchdog: a metrics server already runs on %s; the options of this "
-                               "call (registry, TLS) are ignored", where)
+                logger.warning(
+                    "mlx-watchdog: a metrics server already runs on %s; the options of this "
+                    "call (registry, TLS) are ignored",
+                    where,
+                )
             return running
         registry = REGISTRY if registry is None else registry
-        context = _tls_context(where, certfile, keyfile, client_cafile, client_capath,
-                               client_auth_required) if tls else None
+        context = (
+            _tls_context(where, certfile, keyfile, client_cafile, client_capath, client_auth_required)
+            if tls
+            else None
+        )
         register_collector(registry, max_sites=max_sites)
         sock = _listen(addr, port)
         server = BoundedHTTPServer(
-            prometheus_client.make_wsgi_app(registry), sock, ssl_context=context,
-            max_connections=max_connections, idle_timeout=float(idle_timeout),
-            max_header_bytes=max_header_bytes, name=f"mlx-watchdog-metrics-{sock.getsockname()[1]}")
+            prometheus_client.make_wsgi_app(registry),
+            sock,
+            ssl_context=context,
+            max_connections=max_connections,
+            idle_timeout=float(idle_timeout),
+            max_header_bytes=max_header_bytes,
+            name=f"mlx-watchdog-metrics-{sock.getsockname()[1]}",
+        )
         try:
             server.start()
         except BaseException:
@@ -613,10 +739,13 @@ def _listen(addr: str, port: int) -> socket.socket:
     where = f"{addr}:{port}"
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as exc:
-        raise ValueError(f"mlx-watchdog metrics server: address {addr!r} (port {port}) is not a "
-                         f"host name or IP address of this machine: {exc}") from exc
+        raise ValueError(
+            f"mlx-watchdog metrics server: address {addr!r} (port {port}) is not a "
+            f"host name or IP address of this machine: {exc}"
+        ) from exc
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -625,15 +754,20 @@ def _listen(addr: str, port: int) -> socket.socket:
         sock.setblocking(False)
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"mlx-watchdog metrics server: cannot listen on {where}: "
-                                 f"{_bind_hint(exc, port)}") from exc
+        raise OSError(
+            exc.errno, f"mlx-watchdog metrics server: cannot listen on {where}: {_bind_hint(exc, port)}"
+        ) from exc
     return sock
 
 
 def _check_positive(label: str, value, integer: bool = False) -> None:
     kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0 or \
-            (not integer and not math.isfinite(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kind)
+        or not value > 0
+        or (not integer and not math.isfinite(value))
+    ):
         raise ValueError(f"{label} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
 
@@ -645,15 +779,20 @@ def _check_port(label: str, port) -> None:
 def _check_tls(certfile, keyfile, client_cafile, client_capath, client_auth_required) -> bool:
     if bool(certfile) != bool(keyfile):
         # prometheus_client silently serves plain HTTP when only one is given.
-        raise ValueError("TLS needs both certfile and keyfile "
-                         f"(got certfile={certfile!r}, keyfile={keyfile!r})")
+        raise ValueError(
+            f"TLS needs both certfile and keyfile (got certfile={certfile!r}, keyfile={keyfile!r})"
+        )
     tls = bool(certfile)
     if not tls and (client_cafile or client_capath or client_auth_required):
-        raise ValueError("client certificate options (client_cafile, client_capath, "
-                         "client_auth_required) need TLS: pass certfile and keyfile too")
+        raise ValueError(
+            "client certificate options (client_cafile, client_capath, "
+            "client_auth_required) need TLS: pass certfile and keyfile too"
+        )
     if client_auth_required and not (client_cafile or client_capath):
-        raise ValueError("client_auth_required=True needs client_cafile or client_capath: the CA "
-                         "that signs the client certificates to accept")
+        raise ValueError(
+            "client_auth_required=True needs client_cafile or client_capath: the CA "
+            "that signs the client certificates to accept"
+        )
     return tls
 
 
@@ -667,16 +806,20 @@ def _tls_context(where, certfile, keyfile, cafile, capath, client_auth_required)
             context.load_verify_locations(cafile, capath)
             context.verify_mode = ssl.CERT_REQUIRED if client_auth_required else ssl.CERT_OPTIONAL
     except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"mlx-watchdog metrics server on {where}: cannot load the TLS files "
-                         f"(certfile={certfile!r}, keyfile={keyfile!r}, client_cafile={cafile!r}, "
-                         f"client_capath={capath!r}): {exc}") from exc
+        raise ValueError(
+            f"mlx-watchdog metrics server on {where}: cannot load the TLS files "
+            f"(certfile={certfile!r}, keyfile={keyfile!r}, client_cafile={cafile!r}, "
+            f"client_capath={capath!r}): {exc}"
+        ) from exc
     return context
 
 
 def _bind_hint(exc: OSError, port: int) -> str:
     if exc.errno == errno.EADDRINUSE:
-        return (f"port {port} is already in use (another exporter or server?); choose another "
-                "metrics port, or 0 for a free one")
+        return (
+            f"port {port} is already in use (another exporter or server?); choose another "
+            "metrics port, or 0 for a free one"
+        )
     if exc.errno == errno.EADDRNOTAVAIL:
         return "the address is not one of this machine's"
     if exc.errno == errno.EACCES:

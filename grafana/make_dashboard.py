@@ -14,6 +14,7 @@ Target: Grafana 10.4 / 11.x, classic dashboard JSON, schemaVersion 39.
 Standard library only (docs/dashboard.md says why not Grafana's grafana-foundation-sdk,
 after trying it).
 """
+
 from __future__ import annotations
 
 import json
@@ -81,7 +82,9 @@ class Layout:
             self.newline()
 
 
-def target(expr: str, legend: str = LEGEND, ref: str = "A", instant: bool = False, fmt: str = "time_series") -> dict:
+def target(
+    expr: str, legend: str = LEGEND, ref: str = "A", instant: bool = False, fmt: str = "time_series"
+) -> dict:
     return {
         "datasource": DS,
         "editorMode": "code",
@@ -158,7 +161,12 @@ def timeseries(
         "targets": targets,
         "fieldConfig": {"defaults": defaults, "overrides": overrides or []},
         "options": {
-            "legend": {"calcs": ["lastNotNull", "max"], "displayMode": "table", "placement": "bottom", "showLegend": True},
+            "legend": {
+                "calcs": ["lastNotNull", "max"],
+                "displayMode": "table",
+                "placement": "bottom",
+                "showLegend": True,
+            },
             "tooltip": {"mode": "multi", "sort": "desc"},
         },
     }
@@ -225,7 +233,10 @@ STOPS_ANNOTATION = f"sum by (watchdog, reason) (increase(mlx_watchdog_stops_tota
 NOT_GROWING = [
     {"type": "value", "options": {"Infinity": {"color": "green", "index": 0, "text": "not growing"}}},
     # NaN: the growth is not measured yet (mlx_watchdog_rate_known 0), which is no "no leak".
-    {"type": "special", "options": {"match": "nan", "result": {"color": "blue", "index": 1, "text": "measuring"}}},
+    {
+        "type": "special",
+        "options": {"match": "nan", "result": {"color": "blue", "index": 1, "text": "measuring"}},
+    },
 ]
 
 
@@ -354,7 +365,13 @@ def build() -> dict:
             {
                 "id": "organize",
                 "options": {
-                    "excludeByName": {"Time": True, "Value": True, "Value #A": True, "__name__": True, "job": True},
+                    "excludeByName": {
+                        "Time": True,
+                        "Value": True,
+                        "Value #A": True,
+                        "__name__": True,
+                        "job": True,
+                    },
                     "indexByName": {
                         "watchdog": 0,
                         "instance": 1,
@@ -387,8 +404,14 @@ def build() -> dict:
                                 {
                                     "type": "value",
                                     "options": {
-                                        **{v: {"color": "green", "index": 0, "text": "on"} for v in ("on", "true", "1", "yes", "enabled")},
-                                        **{v: {"color": "orange", "index": 1, "text": "off"} for v in ("off", "false", "0", "no", "disabled")},
+                                        **{
+                                            v: {"color": "green", "index": 0, "text": "on"}
+                                            for v in ("on", "true", "1", "yes", "enabled")
+                                        },
+                                        **{
+                                            v: {"color": "orange", "index": 1, "text": "off"}
+                                            for v in ("off", "false", "0", "no", "disabled")
+                                        },
                                     },
                                 }
                             ],
@@ -398,7 +421,11 @@ def build() -> dict:
                 }
             ],
         },
-        "options": {"cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"], "fields": "", "countRows": False}, "showHeader": True},
+        "options": {
+            "cellHeight": "sm",
+            "footer": {"show": False, "reducer": ["sum"], "fields": "", "countRows": False},
+            "showHeader": True,
+        },
     }
     L.add(info, w=24, h=5)
 
@@ -412,7 +439,9 @@ def build() -> dict:
             "dashed line, and the crash happens where they meet.",
             [
                 target(f"mlx_watchdog_resident_buffers{{{SEL}}}", ref="A"),
-                target(f"max(mlx_watchdog_resource_limit_buffers{{{SEL}}})", legend="resource limit", ref="B"),
+                target(
+                    f"max(mlx_watchdog_resource_limit_buffers{{{SEL}}})", legend="resource limit", ref="B"
+                ),
             ],
             "short",
             overrides=[fixed_color_override("resource limit", "red")],
@@ -442,17 +471,29 @@ def build() -> dict:
             "Leak per site",
             "Buffers per step attributed to each cache attribute (`site`) over time, per process. Use it "
             "to see when a site started leaking and whether `--fix` stopped it: with the fix on, a site it "
-            "cuts moves to the dashed \"cut by the fix\" series (what it would add unrepaired). The alert "
+            'cuts moves to the dashed "cut by the fix" series (what it would add unrepaired). The alert '
             "MLXWatchdogLeakSiteGrowing fires when a site nothing repairs stays above 0.5 whenever it is "
             "measured while decoding, for 10 minutes. Past 20 sites per process the rest are summed as "
-            "site=\"other\" (mlx_watchdog_folded_leak_sites says how many).",
-            [target(f"mlx_watchdog_leak_buffers_per_step{{{SEL}}}", legend="{{site}} {{watchdog}} {{instance}} {{rank}}"),
-             target(f"mlx_watchdog_fixed_leak_buffers_per_step{{{SEL}}}", ref="B",
-                    legend="cut by the fix: {{site}} {{watchdog}} {{instance}} {{rank}}")],
+            'site="other" (mlx_watchdog_folded_leak_sites says how many).',
+            [
+                target(
+                    f"mlx_watchdog_leak_buffers_per_step{{{SEL}}}",
+                    legend="{{site}} {{watchdog}} {{instance}} {{rank}}",
+                ),
+                target(
+                    f"mlx_watchdog_fixed_leak_buffers_per_step{{{SEL}}}",
+                    ref="B",
+                    legend="cut by the fix: {{site}} {{watchdog}} {{instance}} {{rank}}",
+                ),
+            ],
             "suffix:buffers/step",
             decimals=2,
-            overrides=[{"matcher": {"id": "byFrameRefID", "options": "B"},
-                        "properties": [{"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}}]}],
+            overrides=[
+                {
+                    "matcher": {"id": "byFrameRefID", "options": "B"},
+                    "properties": [{"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}}],
+                }
+            ],
         ),
         w=12,
         h=8,
@@ -540,8 +581,12 @@ def build() -> dict:
             "reading on macOS, which has no /proc), of the targets that run the selected watchdogs. On "
             "Apple silicon (unified memory) GPU buffers are not necessarily counted here; compare with "
             "MLX active memory on the left.",
-            [target(f"process_resident_memory_bytes and on(job, instance) mlx_watchdog_info{{{SEL}}}",
-                    legend="{{instance}}")],
+            [
+                target(
+                    f"process_resident_memory_bytes and on(job, instance) mlx_watchdog_info{{{SEL}}}",
+                    legend="{{instance}}",
+                )
+            ],
             "bytes",
             minimum=0,
         ),
@@ -590,11 +635,18 @@ def build() -> dict:
             "generation ended (then nothing is forecast to grow). Growth measured: 1 once two readings "
             "of the caches alive now have measured the growth per step; 0 right after a new decode "
             "starts, when the forecast panels read 'measuring' instead of a number.",
-            [target(f"mlx_watchdog_decoding{{{SEL}}}", legend="decoding " + LEGEND, ref="A"),
-             target(f"mlx_watchdog_rate_known{{{SEL}}}", legend="growth measured " + LEGEND, ref="B")],
+            [
+                target(f"mlx_watchdog_decoding{{{SEL}}}", legend="decoding " + LEGEND, ref="A"),
+                target(f"mlx_watchdog_rate_known{{{SEL}}}", legend="growth measured " + LEGEND, ref="B"),
+            ],
             "none",
             thresholds((None, "blue"), (1, "green")),
-            mappings=[{"type": "value", "options": {"0": {"index": 0, "text": "no"}, "1": {"index": 1, "text": "yes"}}}],
+            mappings=[
+                {
+                    "type": "value",
+                    "options": {"0": {"index": 0, "text": "no"}, "1": {"index": 1, "text": "yes"}},
+                }
+            ],
         ),
         w=6,
         h=7,
@@ -646,7 +698,12 @@ def build() -> dict:
                 )
             ],
             "short",
-            custom={"drawStyle": "bars", "fillOpacity": 80, "lineWidth": 1, "thresholdsStyle": {"mode": "area"}},
+            custom={
+                "drawStyle": "bars",
+                "fillOpacity": 80,
+                "lineWidth": 1,
+                "thresholdsStyle": {"mode": "area"},
+            },
             th=thresholds((None, "green"), (0.5, "red")),
             minimum=0,
             decimals=0,
@@ -656,7 +713,7 @@ def build() -> dict:
     )
     L.add(
         stat(
-            "Leak sites folded into \"other\"",
+            'Leak sites folded into "other"',
             "How many leak sites the exporter summed into the site=\"other\" series of 'Leak per site' "
             "(mlx_watchdog_folded_leak_sites): it keeps the 20 largest per process (start_metrics_server("
             "max_sites=...)) so that a program with many leaking objects cannot flood Prometheus with "

@@ -20,9 +20,7 @@ import traceback
 
 import mlx.core as mx
 
-import mlx_watchdog  # before init: records the group mx.distributed.init() returns
-from mlx_watchdog import ResourceLimitForecast, Watchdog
-from mlx_watchdog import watch
+from mlx_watchdog import ResourceLimitForecast, Watchdog, watch
 from mlx_watchdog.exporters.prometheus import default_metrics_port
 
 
@@ -44,9 +42,14 @@ def number(x: float):
 
 
 def agreement_record(a) -> dict:
-    return {"step": a.step, "steps_to_limit": number(a.steps_to_limit), "worst_rank": a.worst_rank,
-            "stop_step": a.stop_step, "in_lockstep": a.in_lockstep,
-            "readings": [number(r.steps_to_limit) for r in a.readings]}
+    return {
+        "step": a.step,
+        "steps_to_limit": number(a.steps_to_limit),
+        "worst_rank": a.worst_rank,
+        "stop_step": a.stop_step,
+        "in_lockstep": a.in_lockstep,
+        "readings": [number(r.steps_to_limit) for r in a.readings],
+    }
 
 
 def main() -> int:
@@ -56,8 +59,14 @@ def main() -> int:
 
     # As a user writes it: the decorator (and its watchdog) exist before the group does.
     # overhead_budget=1: walk every step, so the tiny leak is measured from the first steps.
-    @watch(name="tiny", limit=args.limit, stop_within=args.stop_within, overhead_budget=1.0, walk_interval=0,
-           metrics_port=port)
+    @watch(
+        name="tiny",
+        limit=args.limit,
+        stop_within=args.stop_within,
+        overhead_budget=1.0,
+        walk_interval=0,
+        metrics_port=port,
+    )
     def decode(model, prompt, prompt_cache=None, max_tokens=16, on_token=None):
         from mlx_lm.generate import generate_step
 
@@ -70,13 +79,22 @@ def main() -> int:
     wd = decode.watchdog
     later = Watchdog(name="later", export=False)  # created once the group exists
     result = {
-        "rank": rank, "world_size": size, "launched_rank": launched_rank, "metrics_port": port,
-        "wd_rank": wd.rank, "wd_world_size": wd.world_size, "coordinated": wd.coordinator is not None,
-        "later": {"rank": later.rank, "world_size": later.world_size,
-                  "coordinated": later.coordinator is not None},
+        "rank": rank,
+        "world_size": size,
+        "launched_rank": launched_rank,
+        "metrics_port": port,
+        "wd_rank": wd.rank,
+        "wd_world_size": wd.world_size,
+        "coordinated": wd.coordinator is not None,
+        "later": {
+            "rank": later.rank,
+            "world_size": later.world_size,
+            "coordinated": later.coordinator is not None,
+        },
     }
 
     from mlx_lm.models.cache import make_prompt_cache
+
     from mlx_watchdog import tiny
 
     model = tiny.build_model("llama", layers=2, seed=0)
@@ -109,32 +127,50 @@ def main() -> int:
     tokens, stop = 0, None
     start = time.perf_counter()
     try:
-        for _ in decode(model, mx.array([1, 2, 3, 4, 5]), prompt_cache=cache, max_tokens=args.max_tokens,
-                        on_token=on_token):
+        for _ in decode(
+            model,
+            mx.array([1, 2, 3, 4, 5]),
+            prompt_cache=cache,
+            max_tokens=args.max_tokens,
+            on_token=on_token,
+        ):
             tokens += 1
     except ResourceLimitForecast as exc:
         f = exc.forecast
         a = getattr(exc, "agreement", None)
         if a is not None and (not agreements or agreements[-1]["step"] != a.step):
             agreements.append(agreement_record(a))
-        stop = {"step": wd.steps, "reason": exc.reason, "rank": f.rank,
-                "steps_to_limit": number(f.steps_to_limit), "resident_buffers": f.resident_buffers,
-                "limit": f.limit, "buffers_per_step": f.buffers_per_step,
-                "agreement": agreement_record(a) if a is not None else None,
-                "local_steps_to_limit": number(wd.forecast().steps_to_limit),
-                "local_resident_buffers": wd.forecast().resident_buffers}
+        stop = {
+            "step": wd.steps,
+            "reason": exc.reason,
+            "rank": f.rank,
+            "steps_to_limit": number(f.steps_to_limit),
+            "resident_buffers": f.resident_buffers,
+            "limit": f.limit,
+            "buffers_per_step": f.buffers_per_step,
+            "agreement": agreement_record(a) if a is not None else None,
+            "local_steps_to_limit": number(wd.forecast().steps_to_limit),
+            "local_resident_buffers": wd.forecast().resident_buffers,
+        }
     decode_seconds = time.perf_counter() - start
     every = coordinator.every if coordinator is not None else None
-    result.update({
-        "tokens": tokens, "steps": wd.steps, "stop": stop, "stops": dict(wd.stops),
-        "decode_seconds": decode_seconds, "overhead_seconds": wd.overhead_seconds,
-        "every": every, "agreements": agreements,
-        # The local forecast this rank fed to each round (rounds start at multiples of `every`).
-        "local_at_rounds": {str(s): number(v) for s, v in local.items() if every and s % every == 0},
-        "rounds": coordinator.rounds if coordinator is not None else 0,
-        "coordinator_seconds": coordinator.seconds if coordinator is not None else 0.0,
-        "internal_errors": wd.internal_errors,
-    })
+    result.update(
+        {
+            "tokens": tokens,
+            "steps": wd.steps,
+            "stop": stop,
+            "stops": dict(wd.stops),
+            "decode_seconds": decode_seconds,
+            "overhead_seconds": wd.overhead_seconds,
+            "every": every,
+            "agreements": agreements,
+            # The local forecast this rank fed to each round (rounds start at multiples of `every`).
+            "local_at_rounds": {str(s): number(v) for s, v in local.items() if every and s % every == 0},
+            "rounds": coordinator.rounds if coordinator is not None else 0,
+            "coordinator_seconds": coordinator.seconds if coordinator is not None else 0.0,
+            "internal_errors": wd.internal_errors,
+        }
+    )
     write_json(os.path.join(args.out, f"rank{rank}.json"), result)
 
     # Keep serving metrics until the test has seen them, then leave together.

@@ -43,13 +43,12 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Dict, Optional
 
 _SRC = Path(__file__).with_name("exact_buffers.c")
 _ALLOCATOR_SYMBOL = "_ZN3mlx4core9allocator9allocatorEv"  # mlx::core::allocator::allocator()
 _lock = threading.Lock()
-_counter: Optional["ExactBufferCounter"] = None
-_lib: Optional[ctypes.CDLL] = None  # kept forever: the vtable points into it
+_counter: ExactBufferCounter | None = None
+_lib: ctypes.CDLL | None = None  # kept forever: the vtable points into it
 
 
 def _build() -> Path:
@@ -146,7 +145,7 @@ class ExactBufferCounter:
         """Frees of buffers that were allocated before install (passed straight through)."""
         return int(self._lib.untracked_frees())
 
-    def stats(self, *, sync: bool = True) -> Dict[str, int]:
+    def stats(self, *, sync: bool = True) -> dict[str, int]:
         if sync:
             _sync()
         lib = self._lib

@@ -66,6 +66,7 @@ def record(event: str, **fields) -> None:
 
 # --------------------------------------------------------------------------- readings on the generation thread
 
+
 class _Probes:
     """Readings asked for by the endpoint, answered by the next observed forward pass."""
 
@@ -81,8 +82,12 @@ class _Probes:
             with self.lock:
                 if probe["result"] is None:  # not taken by a forward pass: idle, read it here
                     self.waiting.remove(probe)
-                    probe["result"] = {"true": COUNTER.live(sync=False), "steps": _steps(),
-                                       "where": "idle", "time": time.time()}
+                    probe["result"] = {
+                        "true": COUNTER.live(sync=False),
+                        "steps": _steps(),
+                        "where": "idle",
+                        "time": time.time(),
+                    }
                     probe["event"].set()
         probe["event"].wait()
         return probe["result"]
@@ -93,9 +98,15 @@ class _Probes:
             if not self.waiting:
                 return
             waiting, self.waiting = self.waiting, []
-            result = {"true": COUNTER.live(), "steps": watchdog.steps, "where": "step",
-                      "watchdog": watchdog.name, "time": time.time(),
-                      "forward": "prefill" if prefill else "decode", "batch": _batch_size(roots)}
+            result = {
+                "true": COUNTER.live(),
+                "steps": watchdog.steps,
+                "where": "step",
+                "watchdog": watchdog.name,
+                "time": time.time(),
+                "forward": "prefill" if prefill else "decode",
+                "batch": _batch_size(roots),
+            }
             for probe in waiting:
                 probe["result"] = result
                 probe["event"].set()
@@ -141,10 +152,18 @@ def _install_hooks() -> None:
             began = time.perf_counter()
             true = COUNTER.live()
             took = time.perf_counter() - began
-            record("stop", true=true, read_seconds=took, forecast_resident=forecast.resident_buffers,
-                   limit=forecast.limit, steps_to_limit=forecast.steps_to_limit,
-                   buffers_per_step=forecast.buffers_per_step, step=forecast.step,
-                   reason=getattr(self, "reason", None), thread=threading.current_thread().name)
+            record(
+                "stop",
+                true=true,
+                read_seconds=took,
+                forecast_resident=forecast.resident_buffers,
+                limit=forecast.limit,
+                steps_to_limit=forecast.steps_to_limit,
+                buffers_per_step=forecast.buffers_per_step,
+                step=forecast.step,
+                reason=getattr(self, "reason", None),
+                thread=threading.current_thread().name,
+            )
         except Exception as exc:  # the oracle must never change what the server does
             print(f"serve_with_oracle: recording a stop failed: {exc!r}", file=sys.stderr)
 
@@ -152,6 +171,7 @@ def _install_hooks() -> None:
 
 
 # --------------------------------------------------------------------------- threads without MLX
+
 
 def _sampler(interval: float) -> None:
     while True:

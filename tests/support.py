@@ -20,8 +20,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
 
 import pytest
 
@@ -39,6 +39,7 @@ _PACKAGES = {
 
 
 # --------------------------------------------------------------------------- ports
+
 
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 now (the OS picks it)."""
@@ -72,7 +73,8 @@ def free_port_run(n: int) -> int:
 
 # --------------------------------------------------------------------------- binaries
 
-def find_binary(*names: str) -> Optional[str]:
+
+def find_binary(*names: str) -> str | None:
     """The path of the first of ``names`` on PATH or in /usr/bin, else None."""
     for name in names:
         path = shutil.which(name)
@@ -88,7 +90,7 @@ def missing(message: str) -> None:
     if IN_CI:
         pytest.fail(message)
     print(f"\n*** WARNING: {message} ***", file=sys.stderr)
-    warnings.warn(message)
+    warnings.warn(message, stacklevel=2)
     pytest.skip(f"*** {message} ***")
 
 
@@ -111,13 +113,16 @@ def require_binary(*names: str) -> str:
     if path:
         return path
     packages = sorted({_PACKAGES.get(name, name) for name in names})
-    missing(f"{' / '.join(names)} NOT INSTALLED: this test cannot run. Install Debian's "
-            f"{' and '.join(f'`{p}`' for p in packages)} package (make system-deps); "
-            "under CI=true this is a failure.")
+    missing(
+        f"{' / '.join(names)} NOT INSTALLED: this test cannot run. Install Debian's "
+        f"{' and '.join(f'`{p}`' for p in packages)} package (make system-deps); "
+        "under CI=true this is a failure."
+    )
     raise AssertionError("unreachable")  # missing() always raises
 
 
 # --------------------------------------------------------------------------- processes
+
 
 def log_tail(path: Path, n: int = 3000) -> str:
     try:
@@ -129,19 +134,26 @@ def log_tail(path: Path, n: int = 3000) -> str:
 def start_process(cmd: Sequence[str], log: Path, *, new_session: bool = False) -> subprocess.Popen:
     """Start ``cmd`` with stdout and stderr going to ``log`` and no stdin."""
     with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=new_session)
+        return subprocess.Popen(
+            [str(c) for c in cmd],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=new_session,
+        )
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30, log: Optional[Path] = None) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30, log: Path | None = None) -> None:
     """Poll ``url`` until it answers 200; fail the test (after stopping ``proc``) if the process
     exits first or ``timeout`` seconds pass. ``log`` is quoted in the failure."""
     name = Path(str(proc.args[0])).name if isinstance(proc.args, (list, tuple)) else str(proc.args)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"{name} exited with {proc.returncode} before {url} was ready:\n"
-                        f"{log_tail(log) if log else ''}")
+            pytest.fail(
+                f"{name} exited with {proc.returncode} before {url} was ready:\n"
+                f"{log_tail(log) if log else ''}"
+            )
         try:
             if http_get(url, timeout=1)[0] == 200:
                 return
@@ -152,7 +164,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 30, log: Optio
     pytest.fail(f"{name} not ready at {url} after {timeout} s:\n{log_tail(log) if log else ''}")
 
 
-def stop_process(proc: Optional[subprocess.Popen], timeout: float = 10, *, group: bool = False) -> None:
+def stop_process(proc: subprocess.Popen | None, timeout: float = 10, *, group: bool = False) -> None:
     """Stop ``proc``: terminate, wait up to ``timeout`` s, then kill. With ``group=True`` (a process
     started with ``new_session=True`` that has children, e.g. a launcher) kill its whole process
     group at once: a launcher may not pass SIGTERM on to its children."""
@@ -175,14 +187,15 @@ def stop_process(proc: Optional[subprocess.Popen], timeout: float = 10, *, group
 
 # --------------------------------------------------------------------------- Prometheus, Alertmanager
 
+
 def start_prometheus(
     tmp_path: Path,
     targets: Iterable[str] = (),
     *,
     rule_files: Iterable[Path] = (),
-    alertmanager_url: Optional[str] = None,
+    alertmanager_url: str | None = None,
     extra_flags: Sequence[str] = (),
-    storage: Optional[Path] = None,
+    storage: Path | None = None,
     interval: str = "1s",
     timeout: float = 30,
 ) -> tuple[subprocess.Popen, str]:
@@ -209,8 +222,15 @@ def start_prometheus(
     port = free_port()
     log = tmp_path / "prometheus.log"
     proc = start_process(
-        [binary, f"--config.file={path}", f"--storage.tsdb.path={storage or tmp_path / 'data'}",
-         f"--web.listen-address={LOOPBACK}:{port}", *extra_flags], log)
+        [
+            binary,
+            f"--config.file={path}",
+            f"--storage.tsdb.path={storage or tmp_path / 'data'}",
+            f"--web.listen-address={LOOPBACK}:{port}",
+            *extra_flags,
+        ],
+        log,
+    )
     base = f"http://{LOOPBACK}:{port}"
     wait_ready(base + "/-/ready", proc, timeout, log)
     return proc, base
@@ -226,16 +246,22 @@ def start_alertmanager(tmp_path: Path, config: Path, timeout: float = 30) -> tup
     port = free_port()
     log = Path(tmp_path) / "alertmanager.log"
     proc = start_process(
-        [binary, f"--config.file={config}", f"--storage.path={storage}",
-         f"--web.listen-address={LOOPBACK}:{port}",
-         "--cluster.listen-address="],  # empty: no gossip port, no peers
-        log)
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.path={storage}",
+            f"--web.listen-address={LOOPBACK}:{port}",
+            "--cluster.listen-address=",
+        ],  # empty: no gossip port, no peers
+        log,
+    )
     base = f"http://{LOOPBACK}:{port}"
     wait_ready(base + "/-/ready", proc, timeout, log)
     return proc, base
 
 
 # --------------------------------------------------------------------------- HTTP
+
 
 def http_get(url: str, timeout: float = 5, context=None) -> tuple[int, bytes]:
     """(status, body); an HTTP error status is returned, not raised (its body is the reason).
@@ -266,7 +292,11 @@ def prom_api(base: str, path: str, *, method: str = "POST", timeout: float = 10,
         try:
             return json.loads(body)
         except ValueError:  # not the API's JSON error (e.g. 405 Method Not Allowed)
-            return {"status": "error", "errorType": f"http {exc.code}", "error": body.decode(errors="replace")}
+            return {
+                "status": "error",
+                "errorType": f"http {exc.code}",
+                "error": body.decode(errors="replace"),
+            }
 
 
 def prom_query(base: str, expr: str, **params) -> list[dict]:

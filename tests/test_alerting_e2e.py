@@ -27,20 +27,28 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 from mlx_lm.generate import BatchGenerator
 from prometheus_client import CollectorRegistry
+from support import (
+    JOB,
+    LOOPBACK,
+    log_tail,
+    prom_api,
+    prom_query,
+    require_binary,
+    start_alertmanager,
+    start_prometheus,
+    stop_process,
+)
 
 from mlx_watchdog import Watchdog
 from mlx_watchdog.attach.model import unwatch_model, watch_model
 from mlx_watchdog.exporters.prometheus import WatchdogCollector, start_metrics_server
 from mlx_watchdog.tiny import build_model, tiny_prompts
-from support import (JOB, LOOPBACK, log_tail, prom_api, prom_query, require_binary, start_alertmanager,
-                     start_prometheus, stop_process)
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is needed (pip install pyyaml; it is in the [test] extra)")
 
@@ -51,8 +59,11 @@ ALERTMANAGER_CONFIG = ROOT / "grafana" / "alertmanager.yml"
 NAME = "e2e-alerting"
 LEAK_SITE = "ArraysCache.left_padding"
 LEAK_PER_STEP = 5  # 6 linear-attention layers - 1
-SOON, IMMINENT, LEAK_ALERT = ("MLXWatchdogResourceLimitSoon", "MLXWatchdogResourceLimitImminent",
-                              "MLXWatchdogLeakSiteGrowing")
+SOON, IMMINENT, LEAK_ALERT = (
+    "MLXWatchdogResourceLimitSoon",
+    "MLXWatchdogResourceLimitImminent",
+    "MLXWatchdogLeakSiteGrowing",
+)
 
 # The plan: decode at most one step per PACE seconds (slower if the machine is), so that the
 # limit is TARGET_SECONDS of decoding away; the warning fires with SOON_AT of the planned steps
@@ -67,6 +78,7 @@ TEST_FOR = {SOON: "2s", IMMINENT: "2s", LEAK_ALERT: "2s"}  # real: 1m, 15s, 5m
 
 
 # --------------------------------------------------------------------------- the plan
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -111,13 +123,15 @@ def plan_decode(model, prompts) -> Plan:
     pace = max(PACE, 3 * seconds_per_step)
     steps = round(TARGET_SECONDS / pace)
     start = f.resident_buffers - f.buffers_per_step * f.step
-    return Plan(pace, steps, round(start + f.buffers_per_step * steps), f.buffers_per_step, start,
-                seconds_per_step)
+    return Plan(
+        pace, steps, round(start + f.buffers_per_step * steps), f.buffers_per_step, start, seconds_per_step
+    )
 
 
 # --------------------------------------------------------------------------- test configs
 
-def write_test_rules(path: Path, plan: Optional[Plan], test_for: dict[str, str] = TEST_FOR) -> dict:
+
+def write_test_rules(path: Path, plan: Plan | None, test_for: dict[str, str] = TEST_FOR) -> dict:
     """The project's rules with the group interval, the `for:` of the alerts in ``test_for`` and
     the thresholds of ``plan`` (none without a plan) rewritten. Returns the original rules by
     name, to compare."""
@@ -140,8 +154,11 @@ def write_test_rules(path: Path, plan: Optional[Plan], test_for: dict[str, str] 
     assert changed_thresholds == set(thresholds), f"threshold rules missing from {RULES}"
     assert changed_for == set(test_for), f"alerts missing from {RULES}"
     path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
-    rewritten = {r.get("alert") or r.get("record"): r for g in yaml.safe_load(path.read_text())["groups"]
-                 for r in g["rules"]}
+    rewritten = {
+        r.get("alert") or r.get("record"): r
+        for g in yaml.safe_load(path.read_text())["groups"]
+        for r in g["rules"]
+    }
     for name, rule in original.items():  # every alert's expr and annotations are the project's
         if name not in thresholds:
             assert rewritten[name]["expr"] == rule["expr"], name
@@ -171,6 +188,7 @@ def write_test_alertmanager_config(path: Path, webhook_url: str) -> None:
 
 
 # --------------------------------------------------------------------------- the webhook
+
 
 @dataclasses.dataclass
 class Notification:
@@ -215,9 +233,13 @@ class Webhook:
 
     def firing(self, alertname: str, watchdog: str = NAME) -> list[Notification]:
         with self._lock:
-            return [n for n in self.notifications if n.alert.get("status") == "firing"
-                    and n.alert.get("labels", {}).get("alertname") == alertname
-                    and n.alert.get("labels", {}).get("watchdog") == watchdog]
+            return [
+                n
+                for n in self.notifications
+                if n.alert.get("status") == "firing"
+                and n.alert.get("labels", {}).get("alertname") == alertname
+                and n.alert.get("labels", {}).get("watchdog") == watchdog
+            ]
 
     def close(self) -> None:
         self.server.shutdown()
@@ -227,6 +249,7 @@ class Webhook:
 
 # --------------------------------------------------------------------------- the decode
 
+
 class PacedDecode(threading.Thread):
     """The watched leaky decode, at most one step per ``plan.pace`` seconds, until the
     watchdog's resident estimate reaches the limit (or DECODE_TIMEOUT)."""
@@ -234,9 +257,9 @@ class PacedDecode(threading.Thread):
     def __init__(self, model, prompts, watchdog: Watchdog, plan: Plan):
         super().__init__(name="e2e-decode", daemon=True)
         self.model, self.prompts, self.wd, self.plan = model, prompts, watchdog, plan
-        self.started_at: Optional[float] = None
-        self.reached: Optional[tuple[int, float]] = None  # (step, monotonic time) at the limit
-        self.error: Optional[str] = None
+        self.started_at: float | None = None
+        self.reached: tuple[int, float] | None = None  # (step, monotonic time) at the limit
+        self.error: str | None = None
         self.halt = threading.Event()
 
     def run(self) -> None:
@@ -254,8 +277,10 @@ class PacedDecode(threading.Thread):
                     self.reached = (f.step, now)
                     return
                 if now - self.started_at > DECODE_TIMEOUT:
-                    self.error = (f"the limit was not reached in {DECODE_TIMEOUT} s: step {f.step}, "
-                                  f"{f.resident_buffers} of {self.plan.limit} buffers")
+                    self.error = (
+                        f"the limit was not reached in {DECODE_TIMEOUT} s: step {f.step}, "
+                        f"{f.resident_buffers} of {self.plan.limit} buffers"
+                    )
                     return
                 tick += self.plan.pace
                 delay = tick - time.monotonic()
@@ -275,7 +300,8 @@ class PacedDecode(threading.Thread):
 
 # --------------------------------------------------------------------------- the stack
 
-def start_alerting(tmp_path: Path, request, wd: Watchdog, plan: Optional[Plan], test_for: dict[str, str]):
+
+def start_alerting(tmp_path: Path, request, wd: Watchdog, plan: Plan | None, test_for: dict[str, str]):
     """The webhook, a real Alertmanager with the project's config, the metrics server of ``wd``
     alone, and a real Prometheus running the project's rules (rewritten by write_test_rules);
     all stopped at the end of the test. Returns (webhook, metrics server, Prometheus URL, the
@@ -295,13 +321,15 @@ def start_alerting(tmp_path: Path, request, wd: Watchdog, plan: Optional[Plan], 
 
     rules = tmp_path / "rules.yml"
     original = write_test_rules(rules, plan, test_for)
-    prom_proc, prom_url = start_prometheus(tmp_path, [f"{LOOPBACK}:{metrics.port}"], rule_files=[rules],
-                                           alertmanager_url=am_url)
+    prom_proc, prom_url = start_prometheus(
+        tmp_path, [f"{LOOPBACK}:{metrics.port}"], rule_files=[rules], alertmanager_url=am_url
+    )
     request.addfinalizer(lambda: stop_process(prom_proc))
     return webhook, metrics, prom_url, original
 
 
 # --------------------------------------------------------------------------- the test
+
 
 def wait_for(condition, timeout: float, interval: float = 0.2):
     deadline = time.monotonic() + timeout
@@ -337,7 +365,9 @@ def test_alerts_reach_the_webhook_before_the_decode_reaches_its_limit(tmp_path, 
     groups = prom_api(prom_url, "/api/v1/rules", method="GET")["data"]["groups"]
     assert [g["interval"] for g in groups] == [1]
     assert {r["name"] for g in groups for r in g["rules"]} == set(original)
-    assert wait_for(lambda: prom_query(prom_url, f'up{{job="{JOB}"}} == 1'), 15), "the exporter was never scraped"
+    assert wait_for(lambda: prom_query(prom_url, f'up{{job="{JOB}"}} == 1'), 15), (
+        "the exporter was never scraped"
+    )
 
     decode = PacedDecode(model, prompts, wd, plan)
     request.addfinalizer(decode.stop)
@@ -353,8 +383,10 @@ def test_alerts_reach_the_webhook_before_the_decode_reaches_its_limit(tmp_path, 
         if decode.reached:
             lines.append(f"limit reached at step {decode.reached[0]}, t={decode.reached[1] - t0:.1f} s")
         for n in webhook.notifications:
-            lines.append(f"t={n.at - t0:.1f} s step {n.step} steps_to_limit {n.steps_to_limit:.0f}: "
-                         f"{n.alert['labels'].get('alertname')} {n.alert.get('status')}")
+            lines.append(
+                f"t={n.at - t0:.1f} s step {n.step} steps_to_limit {n.steps_to_limit:.0f}: "
+                f"{n.alert['labels'].get('alertname')} {n.alert.get('status')}"
+            )
         return "\n".join(lines)
 
     print("\n" + timeline())
@@ -365,13 +397,16 @@ def test_alerts_reach_the_webhook_before_the_decode_reaches_its_limit(tmp_path, 
 
     # The forecast alerts: firing, for this watchdog, BEFORE the limit, and not too early (at
     # arrival the decode's own forecast was below the alert's threshold).
-    for alertname, threshold in ((SOON, plan.thresholds["mlx_watchdog:alert_threshold_soon_steps"]),
-                                 (IMMINENT, plan.thresholds["mlx_watchdog:alert_threshold_imminent_steps"])):
+    for alertname, threshold in (
+        (SOON, plan.thresholds["mlx_watchdog:alert_threshold_soon_steps"]),
+        (IMMINENT, plan.thresholds["mlx_watchdog:alert_threshold_imminent_steps"]),
+    ):
         got = webhook.firing(alertname)
         assert got, f"{alertname} never reached the webhook\n{timeline()}"
         first = min(got, key=lambda n: n.at)
-        assert first.at < limit_at and first.step < limit_step, \
+        assert first.at < limit_at and first.step < limit_step, (
             f"{alertname} arrived after the limit\n{timeline()}"
+        )
         assert first.steps_to_limit < threshold, f"{alertname} fired too early\n{timeline()}"
         labels, annotations = first.alert["labels"], first.alert["annotations"]
         assert labels["watchdog"] == NAME and labels["job"] == JOB
@@ -401,8 +436,9 @@ def test_alerts_reach_the_webhook_before_the_decode_reaches_its_limit(tmp_path, 
     assert "mlx-watchdog serve --fix" in first.alert["annotations"]["description"]
 
     # Nothing else fired for this watchdog: the watchdog itself worked throughout.
-    others = {n.alert["labels"]["alertname"] for n in webhook.notifications
-              if n.alert.get("status") == "firing"} - {SOON, IMMINENT, LEAK_ALERT}
+    others = {
+        n.alert["labels"]["alertname"] for n in webhook.notifications if n.alert.get("status") == "firing"
+    } - {SOON, IMMINENT, LEAK_ALERT}
     assert not others, timeline()
     assert wd.internal_errors == 0
     for payload in webhook.payloads:
@@ -422,9 +458,8 @@ def test_a_watchdog_that_cannot_measure_is_reported(tmp_path, request):
     2 s; its expression, with its 10-minute windows, is the project's)."""
     require_binary("prometheus")
     require_binary("prometheus-alertmanager", "alertmanager")
-    from mlx_lm.models.cache import make_prompt_cache
-
     import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
 
     model = build_model("llama", layers=2)
     wd = Watchdog(name=BLIND, export=False)
@@ -432,7 +467,9 @@ def test_a_watchdog_that_cannot_measure_is_reported(tmp_path, request):
     request.addfinalizer(lambda: unwatch_model(model))
 
     webhook, metrics, prom_url, _ = start_alerting(tmp_path, request, wd, None, {CANNOT: "2s"})
-    assert wait_for(lambda: prom_query(prom_url, f'up{{job="{JOB}"}} == 1'), 15), "the exporter was never scraped"
+    assert wait_for(lambda: prom_query(prom_url, f'up{{job="{JOB}"}} == 1'), 15), (
+        "the exporter was never scraped"
+    )
 
     token = mx.array([[1]])
     deadline = time.monotonic() + 45
@@ -442,8 +479,10 @@ def test_a_watchdog_that_cannot_measure_is_reported(tmp_path, request):
         time.sleep(0.02)
     got = webhook.firing(CANNOT, BLIND)
     f = wd.forecast()
-    assert got, (f"{CANNOT} never reached the webhook in 45 s ({wd.steps} steps, rate known: {f.rate_known}); "
-                 f"{log_tail(tmp_path / 'prometheus.log')}")
+    assert got, (
+        f"{CANNOT} never reached the webhook in 45 s ({wd.steps} steps, rate known: {f.rate_known}); "
+        f"{log_tail(tmp_path / 'prometheus.log')}"
+    )
     alert = got[0].alert
     assert alert["labels"]["reason"] == "growth not measured" and alert["labels"]["job"] == JOB
     assert alert["labels"]["instance"] == f"{LOOPBACK}:{metrics.port}"

@@ -15,9 +15,21 @@ from mlx_watchdog.core import allocator
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _glibc():
@@ -57,7 +69,7 @@ def test_a_walk_is_not_charged_for_the_merge(monkeypatch):
     x = mx.zeros((2,))
     mx.eval(x)
     cache = {"x": x - 1}
-    wd = Watchdog(limit=10 ** 6, export=False)
+    wd = Watchdog(limit=10**6, export=False)
     wd.observe(cache)  # the first step walks
     assert wd.walks == 1
     assert wd.overhead_seconds < 0.05 and wd._schedule.last_cost < 0.05 and wd._schedule.spent < 0.05

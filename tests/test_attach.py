@@ -22,12 +22,13 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerFast
 
-from mlx_watchdog import Watchdog, tiny
+from mlx_watchdog import Watchdog, tiny, watch, watch_step
 from mlx_watchdog.attach.model import unwatch_model, watch_model, watched_state
-from mlx_watchdog import watch, watch_step
 from mlx_watchdog.core.graph import account, is_evaluated
 
-mlx_lm_generate = importlib.import_module("mlx_lm.generate")  # the module (mlx_lm.generate is also a function)
+mlx_lm_generate = importlib.import_module(
+    "mlx_lm.generate"
+)  # the module (mlx_lm.generate is also a function)
 
 # 8 tokens: generate_step runs one prefill forward of 7 tokens, one of the last prompt token,
 # then one forward ahead of each token it yields.
@@ -42,8 +43,9 @@ def no_eos(tokens, logits):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    fast = PreTrainedTokenizerFast(tokenizer_object=tiny.build_tokenizer(tiny.VOCAB_SIZE),
-                                   eos_token=tiny.EOS_TOKEN)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tiny.build_tokenizer(tiny.VOCAB_SIZE), eos_token=tiny.EOS_TOKEN
+    )
     return TokenizerWrapper(fast)
 
 
@@ -95,16 +97,23 @@ def test_watch_keeps_name_docstring_and_signature():
     for fn in (generate, stream_generate, generate_step):
         w = watch(fn, export=False)
         assert (w.__name__, w.__qualname__, w.__doc__, w.__module__) == (
-            fn.__name__, fn.__qualname__, fn.__doc__, fn.__module__)
+            fn.__name__,
+            fn.__qualname__,
+            fn.__doc__,
+            fn.__module__,
+        )
         assert inspect.signature(w) == inspect.signature(fn)
         assert inspect.isgeneratorfunction(w) == inspect.isgeneratorfunction(fn)
 
 
-@pytest.mark.parametrize("model_type, max_kv_size, expected", [
-    ("qwen3", 16, RotatingKVCache),  # no make_cache of its own: max_kv_size rotates
-    ("llama", None, KVCache),
-    ("qwen3_next", None, (ArraysCache, KVCache)),  # the model's own make_cache: a hybrid list
-])
+@pytest.mark.parametrize(
+    "model_type, max_kv_size, expected",
+    [
+        ("qwen3", 16, RotatingKVCache),  # no make_cache of its own: max_kv_size rotates
+        ("llama", None, KVCache),
+        ("qwen3_next", None, (ArraysCache, KVCache)),  # the model's own make_cache: a hybrid list
+    ],
+)
 def test_watch_builds_the_cache_with_the_models_own_rules(model_type, max_kv_size, expected):
     model, cls = _model(model_type, 4)
     plain = _greedy(model, 6)
@@ -114,8 +123,13 @@ def test_watch_builds_the_cache_with_the_models_own_rules(model_type, max_kv_siz
     def run(model, tokenizer, prompt, prompt_cache=None, max_kv_size=None, max_tokens=6):
         received.append(prompt_cache)
         assert type(model) is not cls and isinstance(model, cls)  # watched during the call
-        steps = generate_step(mx.array(prompt), model, prompt_cache=prompt_cache,
-                              max_tokens=max_tokens, logits_processors=[no_eos])
+        steps = generate_step(
+            mx.array(prompt),
+            model,
+            prompt_cache=prompt_cache,
+            max_tokens=max_tokens,
+            logits_processors=[no_eos],
+        )
         return [token for token, _ in steps]
 
     tokens = run(model, None, PROMPT, max_kv_size=max_kv_size)
@@ -241,8 +255,10 @@ def test_speculative_decoding_is_observed_and_unchanged(tokenizer):
     draft, _ = _model("llama", 2, seed=1)
 
     def tokens(fn):
-        return [r.token for r in fn(model, tokenizer, PROMPT, max_tokens=12, draft_model=draft,
-                                    num_draft_tokens=3)]
+        return [
+            r.token
+            for r in fn(model, tokenizer, PROMPT, max_tokens=12, draft_model=draft, num_draft_tokens=3)
+        ]
 
     plain = tokens(stream_generate)
     decorated = watch(stream_generate, export=False)
@@ -258,8 +274,12 @@ def test_speculative_decoding_is_observed_and_unchanged(tokenizer):
 
 def test_option_errors_name_the_option(llama):
     cls = type(llama)
-    for make in (lambda **o: watch(**o), lambda **o: watch(lambda model: None, **o),
-                 lambda **o: watch_model(llama, **o), lambda **o: watch_step(lambda: None, [], **o)):
+    for make in (
+        lambda **o: watch(**o),
+        lambda **o: watch(lambda model: None, **o),
+        lambda **o: watch_model(llama, **o),
+        lambda **o: watch_step(lambda: None, [], **o),
+    ):
         with pytest.raises(ValueError, match="limit"):
             make(limit=0)
         with pytest.raises(ValueError, match="fix_every"):
@@ -288,8 +308,11 @@ def test_metrics_port_serves_the_decorators_watchdog(llama):
         list(wrapped(mx.array(PROMPT), llama, max_tokens=3, logits_processors=[no_eos]))
         with urllib.request.urlopen(server.url, timeout=10) as response:
             text = response.read().decode()
-        line = next(l for l in text.splitlines()
-                    if l.startswith("mlx_watchdog_steps_total{") and 'watchdog="attach-metrics-test"' in l)
+        line = next(
+            row
+            for row in text.splitlines()
+            if row.startswith("mlx_watchdog_steps_total{") and 'watchdog="attach-metrics-test"' in row
+        )
         assert float(line.rsplit(" ", 1)[1]) == 3 + FORWARDS_BEFORE_FIRST_TOKEN
     finally:
         server.close()
@@ -312,7 +335,10 @@ def test_watch_model_is_still_the_same_module():
     assert isinstance(model, cls) and isinstance(model, nn.Module)
     assert type(model) is not cls and type(model).__bases__ == (cls,)
     assert (type(model).__name__, type(model).__qualname__, type(model).__module__) == (
-        cls.__name__, cls.__qualname__, cls.__module__)
+        cls.__name__,
+        cls.__qualname__,
+        cls.__module__,
+    )
     # No watchdog state in the module: same keys, children, attributes and parameter arrays.
     assert set(model.keys()) == keys and set(model.children()) == children
     assert set(vars(model)) == attributes

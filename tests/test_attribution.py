@@ -17,13 +17,13 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import ArraysCache
+from support import exact_counter
 
 from mlx_watchdog import Watchdog
-from mlx_watchdog.core import attribution
 from mlx_watchdog.attach.model import unwatch_model, watch_model
+from mlx_watchdog.core import attribution
 from mlx_watchdog.core.forecast import Forecast, Leak
 from mlx_watchdog.tiny import build_model, tiny_prompts
-from support import exact_counter
 
 ADVANCE = re.compile(r"^mlx_lm/models/cache\.py:(\d+) ArraysCache\.advance$")
 
@@ -70,7 +70,12 @@ def test_the_batched_leak_is_traced_to_arrays_cache_advance(counter):
     attached = []  # per reading: is a probe on the class?
     wd = Watchdog(export=False, on_forecast=lambda f: attached.append("__setattr__" in vars(ArraysCache)))
     truth = []
-    _batched(model, wd, 80, on_step=lambda: wd.steps in (30, 70) and truth.append((wd.steps, counter.live(collect=True))))
+    _batched(
+        model,
+        wd,
+        80,
+        on_step=lambda: wd.steps in (30, 70) and truth.append((wd.steps, counter.live(collect=True))),
+    )
     f = wd.forecast()
     (s0, n0), (s1, n1) = truth
     assert (n1 - n0) / (s1 - s0) == pytest.approx(leaking, abs=0.05)  # the leak is real
@@ -103,6 +108,7 @@ def test_a_leak_free_decode_probes_nothing():
 
 
 # --------------------------------------------------------------------------- the probe alone
+
 
 class Slotted:
     __slots__ = ("x", "y")
@@ -138,13 +144,16 @@ def test_the_probe_sees_one_step_and_restores_the_class(cls):
     assert probe.attach() and "__setattr__" in vars(cls)
     a.y = _pending() if cls is Slotted else 1  # another attribute: not noted
     a.x = 3  # not an array: not noted
-    a.x = _pending(); line = sys._getframe().f_lineno  # noqa: E702  (the line the probe must name)
+    a.x = _pending()
+    line = sys._getframe().f_lineno  # noqa: E702  (the line the probe must name)
     b.x = _pending()
     assert probe.attached  # two instances, once each: the step goes on
     a.x = _pending()  # the first one again: the next step, the probe ends itself
     assert not probe.attached
     assert dict(vars(cls)) == before  # exactly what it had: its own __setattr__ or none
-    assert probe.source.endswith(f"test_attribution.py:{line} test_the_probe_sees_one_step_and_restores_the_class")
+    assert probe.source.endswith(
+        f"test_attribution.py:{line} test_the_probe_sees_one_step_and_restores_the_class"
+    )
     assert probe.records[probe.source] == 1 and sum(probe.records.values()) == 2
     if cls is OwnSetattr:
         assert a.__dict__["x"][0] == "seen"  # the class's own __setattr__ still ran, and runs now
@@ -185,10 +194,22 @@ def test_a_dead_attribution_gives_the_class_back():
 def test_leaks_keep_their_fields_and_gain_a_source():
     old = Leak("ArraysCache.left_padding", ("[0].left_padding",), 5.0, 10)
     assert old.source is None and old.cut is False
-    new = Leak("ArraysCache.left_padding", ("[0].left_padding",), 5.0, 10,
-               source="mlx_lm/models/cache.py:685 ArraysCache.advance")
-    f = Forecast(step=10, resident_buffers=100, limit=1000, buffers_per_step=5.0, steps_to_limit=180,
-                 seconds_to_limit=1.0, leaks=(new,))
+    new = Leak(
+        "ArraysCache.left_padding",
+        ("[0].left_padding",),
+        5.0,
+        10,
+        source="mlx_lm/models/cache.py:685 ArraysCache.advance",
+    )
+    f = Forecast(
+        step=10,
+        resident_buffers=100,
+        limit=1000,
+        buffers_per_step=5.0,
+        steps_to_limit=180,
+        seconds_to_limit=1.0,
+        leaks=(new,),
+    )
     assert "[mlx_lm/models/cache.py:685 ArraysCache.advance]" in f.describe()
     assert attribution.short_path(mlx_cache.__file__) == "mlx_lm/models/cache.py"
 

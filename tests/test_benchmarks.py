@@ -4,8 +4,6 @@ decode benchmark gives the unwatched tokens on the CPU backend, and the fix leav
 import os
 import sys
 
-import pytest
-
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
@@ -19,7 +17,11 @@ def table_rows(text: str) -> dict:
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("| ") and len(cells) > 3 and not cells[0].startswith(("variant", "---", "what", "llama")):
+        if (
+            line.startswith("| ")
+            and len(cells) > 3
+            and not cells[0].startswith(("variant", "---", "what", "llama"))
+        ):
             rows[cells[0]] = cells
     return rows
 
@@ -27,9 +29,27 @@ def table_rows(text: str) -> dict:
 def test_decode_benchmark_runs_and_every_variant_gives_the_same_tokens(tmp_path, capsys, monkeypatch):
     out = tmp_path / "decode.md"
     monkeypatch.setattr(sys, "argv", ["decode_tokens_per_s.py"])
-    assert decode_tokens_per_s.main(["--model", "qwen3_next", "--layers", "4", "--steps", "24", "--reps", "1",
-                                     "--chunk", "8", "--variants", "unwatched,aa,handfix,watched,fix,wrapped,nowalk",
-                                     "--out", str(out)]) == 0
+    assert (
+        decode_tokens_per_s.main(
+            [
+                "--model",
+                "qwen3_next",
+                "--layers",
+                "4",
+                "--steps",
+                "24",
+                "--reps",
+                "1",
+                "--chunk",
+                "8",
+                "--variants",
+                "unwatched,aa,handfix,watched,fix,wrapped,nowalk",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = table_rows(out.read_text())
     assert set(rows) == {"unwatched", "aa", "handfix", "watched", "fix", "wrapped", "nowalk"}
     assert all(cells[-1] == "yes" for cells in rows.values()), rows  # tokens identical
@@ -44,11 +64,11 @@ def test_diagnostic_variants_take_apart_what_they_say():
     """``nowalk`` observes every step and never walks; ``wrapped`` observes nothing; ``watched``
     walks. (From c468ed7 to here ``nowalk`` shadowed a method that no longer existed and was
     ``watched`` under another name.)"""
+    import mlx.core as mx
     from decode_variants import watchdog_for
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    import mlx.core as mx
     from mlx_watchdog.attach.model import unwatch_model, watch_model
     from mlx_watchdog.tiny import build_model
 
@@ -57,7 +77,9 @@ def test_diagnostic_variants_take_apart_what_they_say():
     for variant in ("nowalk", "wrapped", "watched"):
         wd = watchdog_for(variant)
         watch_model(model, wd)
-        for _ in generate_step(mx.array([1, 2, 3]), model, max_tokens=12, prompt_cache=make_prompt_cache(model)):
+        for _ in generate_step(
+            mx.array([1, 2, 3]), model, max_tokens=12, prompt_cache=make_prompt_cache(model)
+        ):
             pass
         unwatch_model(model)
         seen[variant] = (wd.steps, wd.walks)
@@ -75,15 +97,21 @@ def test_observe_cost_runs(capsys):
 
 def test_observe_versions_compares_two_trees_in_one_decode(capsys):
     import observe_versions
+
     root = os.path.dirname(BENCHMARKS)
-    assert observe_versions.main(["--version", f"a={root}", "--version", f"b={root}", "--layers", "2",
-                                  "--steps", "100"]) == 0
+    assert (
+        observe_versions.main(
+            ["--version", f"a={root}", "--version", f"b={root}", "--layers", "2", "--steps", "100"]
+        )
+        == 0
+    )
     rows = {name: cells for name, cells in table_rows(capsys.readouterr().out).items() if name != "version"}
     assert set(rows) == {"a", "b"} and all(float(cells[1]) > 0 for cells in rows.values())
 
 
 def test_fix_breakdown_finds_the_chains_it_schedules(capsys):
     import fix_breakdown
+
     assert fix_breakdown.main(["--layers", "4", "--batch", "2", "--steps", "40"]) == 0
     text = capsys.readouterr().out
     rows = table_rows(text)
@@ -102,8 +130,23 @@ import observe_stall  # noqa: E402
 
 def test_walk_charge_compares_two_trees(capsys):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert walk_charge.main(["--version", f"a={root}", "--version", f"b={root}", "--layers", "2", "--steps", "40",
-                             "--reps", "1"]) == 0
+    assert (
+        walk_charge.main(
+            [
+                "--version",
+                f"a={root}",
+                "--version",
+                f"b={root}",
+                "--layers",
+                "2",
+                "--steps",
+                "40",
+                "--reps",
+                "1",
+            ]
+        )
+        == 0
+    )
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| a |", "| b |"))]
     assert len(rows) == 2 and all(int(row.split("|")[3]) > 0 for row in rows)  # the dense walks of a decode
 
@@ -164,13 +207,34 @@ def test_the_interval_holds_what_differs_between_repetitions():
 def test_paired_speed_writes_each_chunk_as_it_ends_and_reports_from_the_records(tmp_path, monkeypatch):
     records = tmp_path / "chunks.jsonl"
     monkeypatch.setattr(sys, "argv", ["paired_speed.py"])
-    assert paired_speed.main(["--model", "qwen3_next", "--layers", "4", "--steps", "24", "--chunk", "8",
-                              "--warmup", "4", "--variants", "unwatched,aa,fix", "--compare", "fix:aa",
-                              "--jsonl", str(records)]) == 0
+    assert (
+        paired_speed.main(
+            [
+                "--model",
+                "qwen3_next",
+                "--layers",
+                "4",
+                "--steps",
+                "24",
+                "--chunk",
+                "8",
+                "--warmup",
+                "4",
+                "--variants",
+                "unwatched,aa,fix",
+                "--compare",
+                "fix:aa",
+                "--jsonl",
+                str(records),
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     chunks = [r for r in lines if r["type"] == "chunk"]
     assert sorted((r["variant"], r["round"]) for r in chunks) == sorted(
-        (v, k) for v in ("unwatched", "aa", "fix") for k in range(3))  # 24 steps in chunks of 8
+        (v, k) for v in ("unwatched", "aa", "fix") for k in range(3)
+    )  # 24 steps in chunks of 8
     assert all(r["tokens"] == 8 * 2 and r["seconds"] > 0 for r in chunks)  # batch of 2
     ends = {r["variant"]: r for r in lines if r["type"] == "end"}
     assert all(e["identical"] for e in ends.values())
@@ -193,11 +257,25 @@ def test_round_diff_tells_a_cost_of_every_round_from_one_of_few(tmp_path, capsys
         for k in range(200):
             base = 0.2 + rng.uniform(-0.004, 0.004)
             for variant, extra in (("ref", 0.0), ("steady", 0.002), ("rare", 0.02 if k % 10 == 0 else 0.0)):
-                f.write(json.dumps({"type": "chunk", "run": "r1", "rep": 0, "round": k, "variant": variant,
-                                    "tokens": 25, "seconds": base + extra + rng.uniform(-0.001, 0.001)}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "type": "chunk",
+                            "run": "r1",
+                            "rep": 0,
+                            "round": k,
+                            "variant": variant,
+                            "tokens": 25,
+                            "seconds": base + extra + rng.uniform(-0.001, 0.001),
+                        }
+                    )
+                    + "\n"
+                )
     monkeypatch.setattr(sys, "argv", ["round_diff.py", str(path), "steady:ref", "rare:ref"])
     round_diff.main()
-    rows = {r[0]: r for r in (line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()[2:])}
+    rows = {
+        r[0]: r for r in (line.strip("|").split("|") for line in capsys.readouterr().out.splitlines()[2:])
+    }
     median = {v: float(rows[f" {v} "][4]) for v in ("steady", "rare")}
     mean = {v: float(rows[f" {v} "][5]) for v in ("steady", "rare")}
     assert abs(median["steady"] - 2.0) < 0.3 and abs(median["rare"]) < 0.3
@@ -210,5 +288,10 @@ def test_inline_attributes_benchmark_runs(capsys):
     inline_attributes.pure()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows] == [
-        "untouched", "untouched again (A/A)", "__dict__ read once", "gc.get_referents", "object.__getattribute__"]
+        "untouched",
+        "untouched again (A/A)",
+        "__dict__ read once",
+        "gc.get_referents",
+        "object.__getattribute__",
+    ]
     assert all(float(r.split("|")[2]) > 0 for r in rows)

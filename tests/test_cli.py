@@ -25,15 +25,15 @@ import pytest
 from rich.console import Console
 
 from mlx_watchdog import tiny
+from mlx_watchdog.commands import demo, diagnose
 from mlx_watchdog.commands import main as cli
-from mlx_watchdog.commands import demo
-from mlx_watchdog.commands import diagnose
 
 REPO = Path(__file__).resolve().parents[1]
 LEFT_PADDING = "ArraysCache.left_padding"
 
 
 # --------------------------------------------------------------------------- fixtures
+
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
@@ -68,6 +68,7 @@ def free_port() -> int:
 
 # --------------------------------------------------------------------------- demo
 
+
 class _ScrapingFile(io.StringIO):
     """The demo's console output; scrapes /metrics once when pass 2 starts (pass 1's watchdog
     is alive and measured then), so the test reads the endpoint while the demo runs."""
@@ -90,7 +91,8 @@ class _ScrapingFile(io.StringIO):
 
 def test_demo_leaks_then_fix_keeps_tokens_and_serves_metrics():
     args = cli.build_parser(load_serve=False).parse_args(
-        ["demo", "--max-tokens", "40", "--metrics-port", "0"])
+        ["demo", "--max-tokens", "40", "--metrics-port", "0"]
+    )
     out = _ScrapingFile()
     outcome = demo.run_demo(args, Console(file=out, highlight=False, markup=False, soft_wrap=True, width=200))
     text = out.getvalue()
@@ -124,7 +126,8 @@ def test_demo_leaks_then_fix_keeps_tokens_and_serves_metrics():
 
 def test_demo_stops_at_the_scaled_limit_and_compares_what_was_decoded():
     args = cli.build_parser(load_serve=False).parse_args(
-        ["demo", "--max-tokens", "300", "--limit", "600", "--no-metrics"])
+        ["demo", "--max-tokens", "300", "--limit", "600", "--no-metrics"]
+    )
     out = io.StringIO()
     outcome = demo.run_demo(args, Console(file=out, markup=False, soft_wrap=True, width=200))
     # (600 - ~273 resident at the start) / 8 per step: stopped after ~40 of the 300 steps.
@@ -142,7 +145,8 @@ def test_demo_stops_at_the_scaled_limit_and_compares_what_was_decoded():
 
 def test_demo_of_a_model_mlx_lm_cannot_batch_names_the_plain_path():
     args = cli.build_parser(load_serve=False).parse_args(
-        ["demo", "--model-type", "deepseek_v41", "--max-tokens", "30", "--no-metrics"])
+        ["demo", "--model-type", "deepseek_v41", "--max-tokens", "30", "--no-metrics"]
+    )
     out = io.StringIO()
     demo.run_demo(args, Console(file=out, markup=False, soft_wrap=True, width=200))
     text = out.getvalue()
@@ -156,8 +160,13 @@ def test_demo_console_script_runs_in_a_subprocess():
     script = Path(sys.executable).with_name("mlx-watchdog")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog"]
     start = time.monotonic()
-    done = subprocess.run([*command, "demo", "--max-tokens", "40", "--metrics-port", "0"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run(
+        [*command, "demo", "--max-tokens", "40", "--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     wall = time.monotonic() - start
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"^metrics: http://127\.0\.0\.1:\d+/metrics", done.stdout, re.M)
@@ -188,6 +197,7 @@ def test_demo_bad_options(capsys):
 
 
 # --------------------------------------------------------------------------- diagnose
+
 
 def _doc_blocks(doc: str) -> dict:
     """The ``key  type`` blocks of diagnose's docstring: {block: {key: type}}."""
@@ -240,13 +250,25 @@ def _check_object(value, block: str, blocks: dict, where: str) -> None:
 
 def test_docstring_documents_both_json_objects():
     blocks = _doc_blocks(diagnose.__doc__)
-    assert {"diagnose", "run", "leak", "fix", "versions", "to_the_limit", "failure", "forecast",
-            "checkpoint", "child"} <= set(blocks)
+    assert {
+        "diagnose",
+        "run",
+        "leak",
+        "fix",
+        "versions",
+        "to_the_limit",
+        "failure",
+        "forecast",
+        "checkpoint",
+        "child",
+    } <= set(blocks)
     assert blocks["run"]["limit_step"] == "float|null"
 
 
 def test_diagnose_leaky_hybrid_json_schema_and_exit_1(capsys, model_dirs):
-    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "--max-tokens", 60, "--json")
+    status, out, _ = run_main(
+        capsys, "diagnose", "--model", model_dirs["hybrid"], "--max-tokens", 60, "--json"
+    )
     report = json.loads(out)
     _check_object(report, "diagnose", _doc_blocks(diagnose.__doc__), "report")
     assert status == report["exit_status"] == 1
@@ -262,7 +284,8 @@ def test_diagnose_leaky_hybrid_json_schema_and_exit_1(capsys, model_dirs):
     assert "[0].left_padding" in batched["leaks"][0]["paths"]
     assert batched["batch_size"] == 2 and batched["decode_steps"] == 60
     assert batched["limit_step"] == pytest.approx(
-        60 + (report["limit"] - batched["resident_buffers"]) / 5.0, rel=1e-3)
+        60 + (report["limit"] - batched["resident_buffers"]) / 5.0, rel=1e-3
+    )
     assert batched["fix"]["removes_leak"] and batched["fix"]["tokens_identical"]
     assert batched["fix"]["buffers_per_step"] < 0.01 and batched["fix"]["compared_tokens"] == 120
     assert 0 < batched["watchdog_overhead"] < 1
@@ -273,7 +296,9 @@ def test_diagnose_leaky_hybrid_json_schema_and_exit_1(capsys, model_dirs):
 
 
 def test_diagnose_leaky_hybrid_report_names_site_and_fix_command(capsys, model_dirs):
-    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "--path", "batched", "--max-tokens", 50)
+    status, out, _ = run_main(
+        capsys, "diagnose", "--model", model_dirs["hybrid"], "--path", "batched", "--max-tokens", 50
+    )
     assert status == 1
     assert f"LEAK on the batched path: +5 buffers/step, site {LEFT_PADDING}" in out
     assert "the fix (Watchdog(fix=True)) removes it" in out and "tokens identical" in out
@@ -284,7 +309,9 @@ def test_diagnose_leaky_hybrid_report_names_site_and_fix_command(capsys, model_d
 
 
 def test_diagnose_dense_llama_exit_0(capsys, model_dirs):
-    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["llama"], "--max-tokens", 60, "--json")
+    status, out, _ = run_main(
+        capsys, "diagnose", "--model", model_dirs["llama"], "--max-tokens", 60, "--json"
+    )
     report = json.loads(out)
     _check_object(report, "diagnose", _doc_blocks(diagnose.__doc__), "report")
     assert status == report["exit_status"] == 0
@@ -315,10 +342,21 @@ def test_diagnose_errors_are_clear(capsys, model_dirs, tmp_path):
 
 # --------------------------------------------------------------------------- --to-the-limit
 
+
 def test_to_the_limit_forecast_at_one_percent_within_one_percent(capsys, model_dirs):
     # hybrid4: 3 linear layers, +2 buffers/step; the estimate crosses 1,100 after ~500 steps.
-    status, out, _ = run_main(capsys, "diagnose", "--to-the-limit", "--model", model_dirs["hybrid4"],
-                              "--path", "batched", "--limit", 1100, "--json")
+    status, out, _ = run_main(
+        capsys,
+        "diagnose",
+        "--to-the-limit",
+        "--model",
+        model_dirs["hybrid4"],
+        "--path",
+        "batched",
+        "--limit",
+        1100,
+        "--json",
+    )
     report = json.loads(out)
     _check_object(report, "to_the_limit", _doc_blocks(diagnose.__doc__), "report")
     assert status == report["exit_status"] == 0
@@ -331,7 +369,8 @@ def test_to_the_limit_forecast_at_one_percent_within_one_percent(capsys, model_d
     assert forecast["made_at_step"] <= 0.02 * failure["step"] + 1
     assert abs(forecast["limit_step"] - failure["step"]) <= 0.01 * failure["step"]
     assert report["error_percent"] == pytest.approx(
-        100 * (forecast["limit_step"] - failure["step"]) / failure["step"], abs=1e-3)
+        100 * (forecast["limit_step"] - failure["step"]) / failure["step"], abs=1e-3
+    )
     assert abs(report["error_percent"]) < 1.0
     assert [c["percent"] for c in report["checkpoints"]] == [1.0, 5.0, 10.0, 25.0, 50.0]
 
@@ -339,15 +378,30 @@ def test_to_the_limit_forecast_at_one_percent_within_one_percent(capsys, model_d
 def test_to_the_limit_child_crash_does_not_fail_the_parent(capsys, model_dirs):
     # The child dies like an uncaught Metal error kills a process (SIGABRT, no report of its own):
     # the parent takes the failing step from the stream and the error from the child's stderr.
-    status, out, err = run_main(capsys, "diagnose", "--to-the-limit", "--model", model_dirs["hybrid4"],
-                                "--path", "batched", "--limit", 1100, "--crash-at-limit")
+    status, out, err = run_main(
+        capsys,
+        "diagnose",
+        "--to-the-limit",
+        "--model",
+        model_dirs["hybrid4"],
+        "--path",
+        "batched",
+        "--limit",
+        1100,
+        "--crash-at-limit",
+    )
     assert status == 0, out + err
     assert re.search(r"child process (was killed by signal \d+|exited with status -?\d+)", out)
-    match = re.search(r"real failure at step ([\d,]+): \[metal::malloc\] Resource limit \(1100\) exceeded", out)
+    match = re.search(
+        r"real failure at step ([\d,]+): \[metal::malloc\] Resource limit \(1100\) exceeded", out
+    )
     assert match, out
     fail_step = int(match.group(1).replace(",", ""))
-    forecast = re.search(r"forecast made at step (\d+) \(([\d.]+)% of the run\): limit at step ([\d,]+); "
-                         r"actual failing step ([\d,]+); error ([+-][\d.]+)%", out)
+    forecast = re.search(
+        r"forecast made at step (\d+) \(([\d.]+)% of the run\): limit at step ([\d,]+); "
+        r"actual failing step ([\d,]+); error ([+-][\d.]+)%",
+        out,
+    )
     assert forecast, out
     assert int(forecast.group(4).replace(",", "")) == fail_step
     assert 1.0 <= float(forecast.group(2)) <= 2.0
@@ -370,17 +424,25 @@ def test_to_the_limit_reports_children_that_end_without_a_failing_step():
     cap = diagnose._limit_report(outcome(records, [{"event": "cap", "step": 100}], 0), config, "m", "batched")
     assert cap["failure"]["kind"] == "step_cap" and cap["exit_status"] == 1 and cap["forecast"] is None
     died = diagnose._limit_report(outcome(records, [], 1, "Segmentation fault\n"), config, "m", "batched")
-    assert died["failure"] == {"kind": "child_died", "step": None, "error": "exit status 1: Segmentation fault"}
+    assert died["failure"] == {
+        "kind": "child_died",
+        "step": None,
+        "error": "exit status 1: Segmentation fault",
+    }
     assert died["exit_status"] == 1
     stuck = diagnose._limit_report(outcome(records, [], -9, stalled=True), config, "m", "batched")
     assert stuck["failure"]["kind"] == "stalled"
-    usage = diagnose._limit_report(outcome([], [{"event": "error", "usage": True, "error": "x"}], 2),
-                                   config, "m", "batched")
+    usage = diagnose._limit_report(
+        outcome([], [{"event": "error", "usage": True, "error": "x"}], 2), config, "m", "batched"
+    )
     assert usage["exit_status"] == 2
     # Metal's real error in the stderr of a child that aborted after step 100: it failed in step 101.
     real = diagnose._limit_report(
         outcome(records, [], -6, "libc++abi: [metal::malloc] Resource limit (499000) exceeded.\n"),
-        config, "m", "batched")
+        config,
+        "m",
+        "batched",
+    )
     assert real["failure"]["kind"] == "resource_limit_error" and real["failure"]["step"] == 101
     # The only forecast (450) was made from step 1 on, so the 1% one is at step 2 (1.98%).
     assert real["forecast"] == {"made_at_step": 2, "made_at_percent": 1.98, "limit_step": 450.0}
@@ -391,6 +453,7 @@ def test_to_the_limit_reports_children_that_end_without_a_failing_step():
 
 
 # --------------------------------------------------------------------------- serve dispatch
+
 
 def test_serve_gets_its_options_and_the_server_argv(monkeypatch):
     from mlx_watchdog.commands import serve
@@ -419,6 +482,7 @@ def test_demo_and_diagnose_work_without_serve(monkeypatch, capsys):
 
 # --------------------------------------------------------------------------- flags, JSON, plots
 
+
 def _parse(*argv):
     return cli.build_parser(load_serve=False).parse_args([str(a) for a in argv])
 
@@ -430,7 +494,9 @@ def test_flags_follow_mlx_lm_and_old_spellings_still_work(capsys):
     args = _parse("demo", "--steps", 9, "--batch", 4)  # the old names: same values, a warning each
     assert (args.max_tokens, args.batch_size) == (9, 4)
     err = capsys.readouterr().err
-    assert "--steps is deprecated, use --max-tokens" in err and "--batch is deprecated, use --batch-size" in err
+    assert (
+        "--steps is deprecated, use --max-tokens" in err and "--batch is deprecated, use --batch-size" in err
+    )
     args = _parse("diagnose", "--model", "m", "--max-tokens", 5, "-p", "hi", "--path", "plain")
     assert (args.max_tokens, args.prompt, diagnose.selected_paths(args)) == (5, ["hi"], ["plain"])
     assert diagnose.selected_paths(_parse("diagnose", "--batch")) == ["batched"]
@@ -464,7 +530,8 @@ def test_demo_json_is_one_document_and_its_plot_has_the_data(capsys, tmp_path):
     run = report["runs"][0]
     assert run["path"] == "batched" and run["buffers_per_step"] == pytest.approx(8.0)
     assert report["real_limit_step"] == pytest.approx(
-        run["limit_step"] + (report["real_limit"] - report["limit"]) / 8.0, rel=1e-6)
+        run["limit_step"] + (report["real_limit"] - report["limit"]) / 8.0, rel=1e-6
+    )
     assert "VERDICT: the fix removes the leak" in err  # the display went to stderr
     # An SVG document, with the readings in it: a PNG/SVG by its header, data checked below.
     root = __import__("xml.etree.ElementTree", fromlist=["parse"]).parse(picture).getroot()
@@ -476,10 +543,10 @@ def _check_figure(figure, run: dict, limit: float) -> None:
     """The plotted data: readings, the fitted line's slope, the limit and the crash step."""
     measured, forecast = figure.axes[:2]
     lines = {line.get_label(): line for line in measured.get_lines()}
-    watched = next(l for label, l in lines.items() if label.startswith("watched:"))
+    watched = next(line for label, line in lines.items() if label.startswith("watched:"))
     assert LEFT_PADDING in watched.get_label()  # top leak site in the legend
     assert [list(p) for p in zip(watched.get_xdata(), watched.get_ydata())] == run["readings"]
-    fixed = next(l for label, l in lines.items() if label.startswith("Watchdog(fix=True)"))
+    fixed = next(line for label, line in lines.items() if label.startswith("Watchdog(fix=True)"))
     assert [list(p) for p in zip(fixed.get_xdata(), fixed.get_ydata())] == run["fix"]["readings"]
     fit = lines[f"fit {run['buffers_per_step']:+.3g} buffers/step"]
     (x0, x1), (y0, y1) = fit.get_xdata(), fit.get_ydata()
@@ -500,7 +567,9 @@ def test_diagnose_plot_png_and_table_not_cut_at_80_columns(capsys, model_dirs, t
     from mlx_watchdog.commands import plot
 
     picture = tmp_path / "leak.png"
-    status, out, _ = run_main(capsys, "diagnose", "--model", model_dirs["hybrid"], "-m", 40, "--plot", picture)
+    status, out, _ = run_main(
+        capsys, "diagnose", "--model", model_dirs["hybrid"], "-m", 40, "--plot", picture
+    )
     assert status == 1 and f"plot: {picture}" in out
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     row = next(line for line in out.splitlines() if line.startswith("│ batched"))
@@ -517,9 +586,17 @@ def test_diagnose_shows_a_progress_bar_per_pass_on_a_terminal(model_dirs):
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=120)
     with diagnose.PassProgress(console) as progress:
-        report = diagnose.diagnose_model(model, tiny.tiny_prompts(1, 8), paths=["batched"], steps=12,
-                                         limit=None, batch_size=2, model_spec="tiny", model_type="qwen3_next",
-                                         progress=progress)
+        report = diagnose.diagnose_model(
+            model,
+            tiny.tiny_prompts(1, 8),
+            paths=["batched"],
+            steps=12,
+            limit=None,
+            batch_size=2,
+            model_spec="tiny",
+            model_type="qwen3_next",
+            progress=progress,
+        )
     text = out.getvalue()
     assert report["runs"][0]["decode_steps"] == 12
     assert "batched path, watch only" in text and "batched path, Watchdog(fix=True)" in text
@@ -527,22 +604,28 @@ def test_diagnose_shows_a_progress_bar_per_pass_on_a_terminal(model_dirs):
 
 
 def test_plot_without_matplotlib_is_one_line_and_fails_before_decoding(tmp_path):
-    code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from mlx_watchdog import cli\n"
-            f"sys.exit(cli.main(['demo', '--no-metrics', '--plot', {str(tmp_path / 'x.png')!r}]))")
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from mlx_watchdog import cli\n"
+        f"sys.exit(cli.main(['demo', '--no-metrics', '--plot', {str(tmp_path / 'x.png')!r}]))"
+    )
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == ("mlx-watchdog demo: error: --plot needs matplotlib, which is not "
-                                   "installed: pip install 'mlx-watchdog[plot]'")
+    assert done.stderr.strip() == (
+        "mlx-watchdog demo: error: --plot needs matplotlib, which is not "
+        "installed: pip install 'mlx-watchdog[plot]'"
+    )
     assert "pass 1/2" not in done.stdout and not (tmp_path / "x.png").exists()
     assert time.monotonic() - start < 30
 
 
 # --------------------------------------------------------------------------- imports
 
-@pytest.mark.parametrize("module", ["commands.common", "commands.demo", "commands.diagnose", "commands.serve",
-                                    "commands.plot"])
+
+@pytest.mark.parametrize(
+    "module", ["commands.common", "commands.demo", "commands.diagnose", "commands.serve", "commands.plot"]
+)
 def test_subcommand_modules_do_not_import_the_entry_point(module):
     code = f"import sys, mlx_watchdog.{module}; print('mlx_watchdog.commands.main' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -550,26 +633,35 @@ def test_subcommand_modules_do_not_import_the_entry_point(module):
 
 
 def test_attachment_points_import_lazily_from_the_package():
-    code = ("import sys, mlx_watchdog\n"
-            "print('mlx_watchdog.attach.model' in sys.modules)\n"
-            "from mlx_watchdog import watch, watch_model, unwatch_model, watch_step\n"
-            "from mlx_watchdog.attach import decorator, model, step\n"
-            "print(decorator.watch is watch and model.watch_model is watch_model "
-            "and model.unwatch_model is unwatch_model and step.watch_step is watch_step)\n"
-            "print(set(mlx_watchdog.__all__) <= set(dir(mlx_watchdog)))\n"
-            "try:\n    mlx_watchdog.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
+    code = (
+        "import sys, mlx_watchdog\n"
+        "print('mlx_watchdog.attach.model' in sys.modules)\n"
+        "from mlx_watchdog import watch, watch_model, unwatch_model, watch_step\n"
+        "from mlx_watchdog.attach import decorator, model, step\n"
+        "print(decorator.watch is watch and model.watch_model is watch_model "
+        "and model.unwatch_model is unwatch_model and step.watch_step is watch_step)\n"
+        "print(set(mlx_watchdog.__all__) <= set(dir(mlx_watchdog)))\n"
+        "try:\n    mlx_watchdog.no_such_name\nexcept AttributeError as e:\n    print(e)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.stdout.splitlines() == ["False", "True", "True",
-                                        "module 'mlx_watchdog' has no attribute 'no_such_name'"], done.stderr
+    assert done.stdout.splitlines() == [
+        "False",
+        "True",
+        "True",
+        "module 'mlx_watchdog' has no attribute 'no_such_name'",
+    ], done.stderr
 
 
 # --------------------------------------------------------------------------- serve fails fast
+
 
 def _serve(*argv, timeout=120):
     script = Path(sys.executable).with_name("mlx-watchdog")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog"]
     start = time.monotonic()
-    done = subprocess.run([*command, "serve", *map(str, argv)], capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [*command, "serve", *map(str, argv)], capture_output=True, text=True, timeout=timeout
+    )
     return done, time.monotonic() - start
 
 
@@ -578,7 +670,8 @@ def test_serve_fails_fast_on_a_missing_model_and_a_busy_port(model_dirs, tmp_pat
     done, _ = _serve("--no-metrics", "--", "--model", missing)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"mlx-watchdog serve: error: model path does not exist: {missing} (mlx_lm.server's --model)"]
+        f"mlx-watchdog serve: error: model path does not exist: {missing} (mlx_lm.server's --model)"
+    ]
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -600,8 +693,17 @@ def test_to_the_limit_shows_progress_on_a_terminal(monkeypatch, model_dirs):
     """On a terminal the child's run is a progress bar toward the forecast limit step (stderr)."""
     out = io.StringIO()
     bar_console = Console(file=out, force_terminal=True, width=120)
-    args = _parse("diagnose", "--to-the-limit", "--model", model_dirs["hybrid4"], "--path", "batched",
-                  "--limit", 700, "--json")
+    args = _parse(
+        "diagnose",
+        "--to-the-limit",
+        "--model",
+        model_dirs["hybrid4"],
+        "--path",
+        "batched",
+        "--limit",
+        700,
+        "--json",
+    )
     report_console = Console(file=io.StringIO(), width=200)
     monkeypatch.setattr(diagnose, "print_json", lambda document: out.write(json.dumps(document)))
     assert diagnose.to_the_limit(args, report_console, bar_console) == 0

@@ -8,10 +8,9 @@ import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 
 from mlx_watchdog import Watchdog, find_arrays, materialize
-from mlx_watchdog.core import watchdog as core
-from mlx_watchdog.core import schedule
-from mlx_watchdog.core import forecast as fcast
 from mlx_watchdog.attach.model import watch_model
+from mlx_watchdog.core import schedule
+from mlx_watchdog.core import watchdog as core
 from mlx_watchdog.core.graph import account, is_evaluated
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
@@ -98,7 +97,7 @@ def test_plain_generate_step_is_flat():
     wd = Watchdog(limit=200_000)
     watch_model(model, wd)
     prompt = mx.array(tiny_prompts(1, 6, 512)[0])
-    for n, _ in enumerate(generate_step(prompt, model, max_tokens=120)):
+    for _n, _ in enumerate(generate_step(prompt, model, max_tokens=120)):
         pass
     f = wd.forecast()
     assert wd.steps >= 100
@@ -277,8 +276,7 @@ def fake_decode(wd, cache, clock, steps):
 
 
 def use_clock(monkeypatch, clock):
-    from mlx_watchdog.core import graph
-    from mlx_watchdog.core import sampling
+    from mlx_watchdog.core import graph, sampling
 
     monkeypatch.setattr(core, "time", clock)
     monkeypatch.setattr(sampling, "time", clock)
@@ -306,8 +304,8 @@ def test_walks_are_dense_as_an_epoch_starts_then_one_per_walk_interval(monkeypat
     wd = Watchdog(limit=10**6, export=False)  # default walk_interval: 0.5 s
     walked_at = fake_decode(wd, cache, clock, 1000)
     dense = [1 + offset for offset in schedule.DENSE_OFFSETS]
-    assert walked_at[:len(dense)] == dense
-    later = walked_at[len(dense) - 1:]
+    assert walked_at[: len(dense)] == dense
+    later = walked_at[len(dense) - 1 :]
     assert {b - a for a, b in zip(later, later[1:])} == {32}  # 0.5 s of decode at 1/64 s per step
     assert wd.forecast().buffers_per_step == pytest.approx(1.0)
 
@@ -324,7 +322,9 @@ def test_walks_stay_within_the_budget_when_a_leak_is_left_unfixed(monkeypatch):
     # still come to at most overhead_budget of the decode, amortized; the credit is no bonus.
     clock = FakeClock()
     use_clock(monkeypatch, clock)
-    charge_walks(monkeypatch, clock, lambda reading: 2e-5 * (reading.pending_nodes + reading.retained_buffers + 100))
+    charge_walks(
+        monkeypatch, clock, lambda reading: 2e-5 * (reading.pending_nodes + reading.retained_buffers + 100)
+    )
     cache = ScalarCache()
     wd = Watchdog(limit=10**6, export=False, overhead_budget=0.01, walk_interval=0)
     decode = 0.0
@@ -344,10 +344,10 @@ def test_dear_walks_are_spaced_to_a_thousandth_of_decode_time(monkeypatch):
     # The default walk_interval (None): 0.5 s, or longer when one walk costs more than 0.5 ms.
     clock = FakeClock()
     use_clock(monkeypatch, clock)
-    charge_walks(monkeypatch, clock, lambda reading: 2 ** -8)  # 3.9 ms: 3.9 s apart is 0.1% of decode
+    charge_walks(monkeypatch, clock, lambda reading: 2**-8)  # 3.9 ms: 3.9 s apart is 0.1% of decode
     wd = Watchdog(limit=10**6, export=False)
     walked_at = fake_decode(wd, ScalarCache(), clock, 3000)
-    later = walked_at[len(schedule.DENSE_OFFSETS) + 1:]
+    later = walked_at[len(schedule.DENSE_OFFSETS) + 1 :]
     gaps = {b - a for a, b in zip(later, later[1:])}
     assert gaps and gaps <= {249, 250, 251}, gaps  # 3.9 s of decode at 1/64 s per step
     assert wd.forecast().buffers_per_step == pytest.approx(1.0)
@@ -374,7 +374,7 @@ def test_a_walk_that_waited_for_a_core_does_not_space_out_the_next(monkeypatch):
     monkeypatch.setattr(sampling, "account", descheduled_once)
     wd = Watchdog(limit=10**6, export=False)
     walked_at = fake_decode(wd, ScalarCache(), clock, 1000)
-    later = walked_at[len(schedule.DENSE_OFFSETS):]
+    later = walked_at[len(schedule.DENSE_OFFSETS) :]
     assert len(calls) > len(schedule.DENSE_OFFSETS) + 2, (calls, walked_at)
     # 0.5 s of decode (32 steps), or a thousandth of decode per walk's real CPU time (~0.5-1 ms
     # here); sized by the 50 ms wait it would be 50 s (3,200 steps: no walk after it here).
@@ -386,11 +386,11 @@ def test_many_short_decodes_share_one_budget(monkeypatch):
     # watchdog's lifetime, not a credit per epoch.
     clock = FakeClock()
     use_clock(monkeypatch, clock)
-    walk_cost = 2 ** -10  # ~1 ms
+    walk_cost = 2**-10  # ~1 ms
     charge_walks(monkeypatch, clock, lambda reading: walk_cost)
     wd = Watchdog(limit=10**6, export=False)
     decode = 0.0
-    for request in range(1000):
+    for _request in range(1000):
         cache = ScalarCache()  # a new request: new caches, a new epoch
         for _ in range(20):
             wd.observe(cache)
@@ -414,7 +414,7 @@ def test_caches_that_join_are_read_with_the_others_and_their_arrival_is_no_growt
             c.step()
     assert wd.forecast().buffers_per_step == pytest.approx(5.0)
     joined = ScalarCache()
-    for c in range(3):
+    for _ in range(3):
         joined.step()
     before = wd.forecast().resident_buffers
     wd.observe(caches + [joined])
@@ -480,8 +480,18 @@ def test_new_caches_that_reuse_the_ids_of_freed_ones_are_a_new_decode():
     assert not f.rate_known and f.buffers_per_step == 0.0 and f.resident_buffers == 3 * 2
 
 
-@pytest.mark.parametrize("option, bad", [("fix", "false"), ("fix", 1), ("export", "false"), ("export", None),
-                                         ("name", ["a"]), ("name", ""), ("fix_every", 2.0)])
+@pytest.mark.parametrize(
+    "option, bad",
+    [
+        ("fix", "false"),
+        ("fix", 1),
+        ("export", "false"),
+        ("export", None),
+        ("name", ["a"]),
+        ("name", ""),
+        ("fix_every", 2.0),
+    ],
+)
 def test_options_of_the_wrong_type_are_refused_naming_the_option(option, bad):
     with pytest.raises(ValueError, match=option):
         Watchdog(limit=100, **{option: bad})
@@ -490,7 +500,14 @@ def test_options_of_the_wrong_type_are_refused_naming_the_option(option, bad):
 def test_numpy_numbers_and_bools_are_accepted():
     import numpy as np
 
-    wd = Watchdog(limit=np.int64(1000), stop_within=np.int64(5), warn_within=np.float32(10.5),
-                  fix_every=np.int32(4), fix=np.bool_(True), export=np.bool_(False), overhead_budget=np.float64(0.02))
+    wd = Watchdog(
+        limit=np.int64(1000),
+        stop_within=np.int64(5),
+        warn_within=np.float32(10.5),
+        fix_every=np.int32(4),
+        fix=np.bool_(True),
+        export=np.bool_(False),
+        overhead_budget=np.float64(0.02),
+    )
     assert (wd.limit, wd.stop_within, wd.fix_every, wd.fix, wd.export) == (1000, 5.0, 4, True, False)
     assert type(wd.fix_every) is int and type(wd.fix) is bool

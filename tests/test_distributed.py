@@ -16,7 +16,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from support import find_binary, free_port_run, log_tail, prom_query, require_binary, start_prometheus, stop_process
+from support import (
+    find_binary,
+    free_port_run,
+    log_tail,
+    prom_query,
+    require_binary,
+    start_prometheus,
+    stop_process,
+)
 
 from mlx_watchdog import ResourceLimitForecast, Watchdog
 from mlx_watchdog.attach import distributed as dist
@@ -36,6 +44,7 @@ EXIT_TIMEOUT = 30
 
 # --------------------------------------------------------------------------- helpers
 
+
 def scraped_by_rank(url: str) -> dict[str, dict]:
     """rank label -> {instance, steps, stops} as Prometheus has them now."""
     seen: dict[str, dict] = {}
@@ -49,6 +58,7 @@ def scraped_by_rank(url: str) -> dict[str, dict]:
 
 
 # --------------------------------------------------------------------------- the launched job
+
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
@@ -66,19 +76,50 @@ def job(tmp_path_factory):
     prometheus = None
     if PROMETHEUS is not None:
         prometheus, prom_url = start_prometheus(
-            tmp, [f"127.0.0.1:{metrics_base}", f"127.0.0.1:{metrics_base + 1}"])
+            tmp, [f"127.0.0.1:{metrics_base}", f"127.0.0.1:{metrics_base + 1}"]
+        )
         record["prometheus"] = prom_url
 
-    command = [str(LAUNCH), "--backend", "ring", "-n", "2", "--starting-port", str(ring_base), "--",
-               sys.executable, str(WORKER), "--out", str(out), "--metrics-base", str(metrics_base),
-               "--leak-rank", str(LEAK_RANK), "--limit", str(LIMIT), "--stop-within", str(STOP_WITHIN),
-               "--max-tokens", str(MAX_TOKENS), "--release", str(release), "--hold", "90"]
+    command = [
+        str(LAUNCH),
+        "--backend",
+        "ring",
+        "-n",
+        "2",
+        "--starting-port",
+        str(ring_base),
+        "--",
+        sys.executable,
+        str(WORKER),
+        "--out",
+        str(out),
+        "--metrics-base",
+        str(metrics_base),
+        "--leak-rank",
+        str(LEAK_RANK),
+        "--limit",
+        str(LIMIT),
+        "--stop-within",
+        str(STOP_WITHIN),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--release",
+        str(release),
+        "--hold",
+        "90",
+    ]
     log_out, log_err = tmp / "launch.out", tmp / "launch.err"
     start = time.monotonic()
     # stdin is a pipe nobody writes: mlx.launch forwards stdin and would spin on an EOF.
-    launcher = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=open(log_out, "w"),
-                                stderr=open(log_err, "w"), start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    launcher = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=open(log_out, "w"),
+        stderr=open(log_err, "w"),
+        start_new_session=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     try:
         files = [out / "rank0.json", out / "rank1.json"]
         deadline = time.monotonic() + RESULTS_TIMEOUT
@@ -198,6 +239,7 @@ def test_prometheus_scrapes_both_ranks_with_rank_labels(job):
 
 # --------------------------------------------------------------------------- in process
 
+
 def test_agree_is_a_pure_function_of_the_gathered_rows():
     inf = math.inf
     # rows: step, steps_to_limit, resident, buffers/step, limit, stop_within
@@ -293,8 +335,16 @@ def test_single_process_watchdog_is_not_coordinated():
 
 
 def test_launch_env_reads_the_launchers_variables(monkeypatch, tmp_path):
-    for name in ("MLX_RANK", "MLX_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                 "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "MLX_HOSTFILE"):
+    for name in (
+        "MLX_RANK",
+        "MLX_WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "PMIX_RANK",
+        "MLX_HOSTFILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     assert dist.launch_env() is None
     hostfile = tmp_path / "hosts.json"

@@ -30,13 +30,19 @@ BLOCK_SECONDS = 120
 def blocks(page: Path) -> list[tuple[str, int, str]]:
     """(language, line, code) of each fenced block of ``page``."""
     text = page.read_text()
-    return [(m.group(2), text.count("\n", 0, m.start()) + 1, textwrap.dedent(m.group(3)))
-            for m in FENCE.finditer(text)]
+    return [
+        (m.group(2), text.count("\n", 0, m.start()) + 1, textwrap.dedent(m.group(3)))
+        for m in FENCE.finditer(text)
+    ]
 
 
 def python_blocks() -> list:
-    return [pytest.param(code, id=f"{page.relative_to(REPO)}:{line}")
-            for page in PAGES for language, line, code in blocks(page) if language == "python"]
+    return [
+        pytest.param(code, id=f"{page.relative_to(REPO)}:{line}")
+        for page in PAGES
+        for language, line, code in blocks(page)
+        if language == "python"
+    ]
 
 
 def test_every_block_is_fenced_with_a_known_language():
@@ -45,16 +51,26 @@ def test_every_block_is_fenced_with_a_known_language():
         fences = len(FENCE_LINE.findall(page.read_text()))
         assert 2 * len(found) == fences, f"{page}: an unclosed or nested fence"
         for language, line, _ in found:
-            assert language in LANGUAGES, (f"{page.relative_to(REPO)}:{line}: fence language "
-                                           f"{language!r}; use python (it is run) or text")
+            assert language in LANGUAGES, (
+                f"{page.relative_to(REPO)}:{line}: fence language "
+                f"{language!r}; use python (it is run) or text"
+            )
 
 
 @pytest.mark.parametrize("code", python_blocks())
 def test_python_block_runs_as_written(code, tmp_path):
     """Copy, paste, run: a fresh interpreter in an empty folder, nothing but the block."""
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=BLOCK_SECONDS, env=dict(os.environ, PYTHONPATH=""))
-    assert done.returncode == 0, f"exit status {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=BLOCK_SECONDS,
+        env=dict(os.environ, PYTHONPATH=""),
+    )
+    assert done.returncode == 0, (
+        f"exit status {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    )
 
 
 def _site_copy(tmp_path: Path) -> Path:
@@ -66,9 +82,22 @@ def _site_copy(tmp_path: Path) -> Path:
 
 
 def _build(site: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f",
-                           str(site / "mkdocs.yml"), "-d", str(site / "site")],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(site / "mkdocs.yml"),
+            "-d",
+            str(site / "site"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_docs_site_builds_strict_and_a_broken_link_fails_it(tmp_path):
@@ -102,6 +131,7 @@ def test_readme_picture_is_a_small_png():
 
 # --------------------------------------------------------------------------- README's shell commands
 
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -117,8 +147,10 @@ def _checked(line: str) -> str:
     """``line`` as a bash step that fails the script unless it exits as its comment says."""
     want = _expected_status(line)
     quoted = line.replace("'", "'\\''")
-    return (f"{line}\nstatus=$?; if [ $status -ne {want} ]; then echo 'FAILED (exit '$status', "
-            f"expected {want}): {quoted}' >&2; exit 1; fi")
+    return (
+        f"{line}\nstatus=$?; if [ $status -ne {want} ]; then echo 'FAILED (exit '$status', "
+        f"expected {want}): {quoted}' >&2; exit 1; fi"
+    )
 
 
 def readme_script(text: str, api_port: int, metrics_port: int) -> str:
@@ -128,23 +160,28 @@ def readme_script(text: str, api_port: int, metrics_port: int) -> str:
     become free ones, and `make demo` gets ``--metrics-port 0``: tests may run beside other
     servers on this machine."""
     steps, server = [], None
-    for match in re.finditer(r"(<!-- docs-test: background -->\n)?```(?:sh|bash)\n(.*?)^```", text,
-                             re.S | re.M):
+    for match in re.finditer(
+        r"(<!-- docs-test: background -->\n)?```(?:sh|bash)\n(.*?)^```", text, re.S | re.M
+    ):
         lines = [line for line in match.group(2).splitlines() if line.strip() and not line.startswith("#")]
         lines = [line.replace("8080", str(api_port)).replace("9464", str(metrics_port)) for line in lines]
         lines = [re.sub(r"^make demo\b", 'make demo ARGS="--metrics-port 0"', line) for line in lines]
         if match.group(1):
             assert len(lines) == 1, "a background block holds one command"
             server = lines[0]
-            steps.append(f"{server} > server.log 2>&1 &\nSERVER=$!\n"
-                         f"for i in $(seq 240); do curl -sf http://127.0.0.1:{api_port}/health >/dev/null && break; "
-                         "kill -0 $SERVER 2>/dev/null || { echo 'server exited:' >&2; cat server.log >&2; exit 1; }; "
-                         "sleep 0.5; done")
+            steps.append(
+                f"{server} > server.log 2>&1 &\nSERVER=$!\n"
+                f"for i in $(seq 240); do curl -sf http://127.0.0.1:{api_port}/health >/dev/null && break; "
+                "kill -0 $SERVER 2>/dev/null || { echo 'server exited:' >&2; cat server.log >&2; exit 1; }; "
+                "sleep 0.5; done"
+            )
         else:
             steps += [_checked(line) for line in lines]
     if server is not None:
-        steps.append("kill -TERM $SERVER; wait $SERVER; status=$?; "
-                     "[ $status -eq 0 ] || { echo \"server exit status $status\" >&2; cat server.log >&2; exit 1; }")
+        steps.append(
+            "kill -TERM $SERVER; wait $SERVER; status=$?; "
+            '[ $status -eq 0 ] || { echo "server exit status $status" >&2; cat server.log >&2; exit 1; }'
+        )
     return "set -u\n" + "\n".join(steps) + "\n"
 
 
@@ -155,8 +192,13 @@ def test_readme_shell_commands_run_after_make_demo_in_a_fresh_clone(tmp_path):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
     # The working tree as it is, not only its last commit: modified and new (not ignored) files.
-    changed = subprocess.run(["git", "ls-files", "-m", "-o", "--exclude-standard"], cwd=REPO, check=True,
-                             capture_output=True, text=True).stdout.split()
+    changed = subprocess.run(
+        ["git", "ls-files", "-m", "-o", "--exclude-standard"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     for name in changed:
         if (REPO / name).is_file():
             (clone / name).parent.mkdir(parents=True, exist_ok=True)
@@ -173,8 +215,9 @@ def test_readme_shell_commands_run_after_make_demo_in_a_fresh_clone(tmp_path):
     script = readme_script((REPO / "README.md").read_text(), api_port, metrics_port)
     assert "make demo" in script and ". .venv/bin/activate" in script and "mlx-watchdog serve" in script
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    done = subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True, timeout=540,
-                          env=env)
+    done = subprocess.run(
+        ["bash", "-c", script], cwd=clone, capture_output=True, text=True, timeout=540, env=env
+    )
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     assert "VERDICT: the fix removes the leak" in done.stdout  # make demo ran
     assert (clone / "leak.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # diagnose --plot wrote it

@@ -10,10 +10,9 @@ import textwrap
 import threading
 from pathlib import Path
 
+import exact_buffers
 import mlx.core as mx
 import pytest
-
-import exact_buffers
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
@@ -37,8 +36,16 @@ def no_cache():
         mx.set_cache_limit(old)
 
 
-SIZES = [(1, mx.int8), (3, mx.int8), (1, mx.float32), (7, mx.float16), (1000, mx.float32),
-         (4097, mx.uint8), (1 << 20, mx.float32), (12345, mx.int64)]
+SIZES = [
+    (1, mx.int8),
+    (3, mx.int8),
+    (1, mx.float32),
+    (7, mx.float16),
+    (1000, mx.float32),
+    (4097, mx.uint8),
+    (1 << 20, mx.float32),
+    (12345, mx.int64),
+]
 
 
 def test_install_is_idempotent(counter):
@@ -88,8 +95,9 @@ def test_live_bytes_equal_active_memory_in_fresh_process():
         print("OK", c.untracked_frees())
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent)], capture_output=True, text=True, timeout=120
+    )
     if proc.returncode != 0 and "exact buffer" in proc.stderr and "RuntimeError" in proc.stderr and not IN_CI:
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stderr

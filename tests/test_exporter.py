@@ -33,32 +33,45 @@ from mlx_lm.generate import BatchGenerator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
+from support import free_port, http_get, log_tail, prom_query, require_binary, start_prometheus, stop_process
 
 import mlx_watchdog
-from mlx_watchdog import Watchdog
+from mlx_watchdog import Watchdog, watch
 from mlx_watchdog.attach.model import unwatch_model, watch_model
-from mlx_watchdog import watch
-from mlx_watchdog.exporters import prometheus as exporter
 from mlx_watchdog.core.limits import device_name
+from mlx_watchdog.exporters import prometheus as exporter
 from mlx_watchdog.tiny import build_model, tiny_prompts
-from support import free_port, http_get, log_tail, prom_query, require_binary, start_prometheus, stop_process
 
 # The contract of issue 5 (the dashboard and alert rules query these names), written out here
 # independently of the exporter's own table.
 GAUGES = {
-    "mlx_watchdog_resident_buffers", "mlx_watchdog_resource_limit_buffers",
-    "mlx_watchdog_buffers_per_step", "mlx_watchdog_steps_to_limit", "mlx_watchdog_time_to_limit_seconds",
-    "mlx_watchdog_pending_graph_nodes", "mlx_watchdog_leak_buffers_per_step",
-    "mlx_watchdog_fixed_leak_buffers_per_step", "mlx_watchdog_folded_leak_sites",
-    "mlx_watchdog_memory_active_bytes", "mlx_watchdog_memory_peak_bytes",
-    "mlx_watchdog_memory_cache_bytes", "mlx_watchdog_memory_limit_bytes", "mlx_watchdog_info",
-    "mlx_watchdog_prefill_graph_nodes", "mlx_watchdog_max_safe_prefill_tokens",
-    "mlx_watchdog_rate_known", "mlx_watchdog_decoding",
+    "mlx_watchdog_resident_buffers",
+    "mlx_watchdog_resource_limit_buffers",
+    "mlx_watchdog_buffers_per_step",
+    "mlx_watchdog_steps_to_limit",
+    "mlx_watchdog_time_to_limit_seconds",
+    "mlx_watchdog_pending_graph_nodes",
+    "mlx_watchdog_leak_buffers_per_step",
+    "mlx_watchdog_fixed_leak_buffers_per_step",
+    "mlx_watchdog_folded_leak_sites",
+    "mlx_watchdog_memory_active_bytes",
+    "mlx_watchdog_memory_peak_bytes",
+    "mlx_watchdog_memory_cache_bytes",
+    "mlx_watchdog_memory_limit_bytes",
+    "mlx_watchdog_info",
+    "mlx_watchdog_prefill_graph_nodes",
+    "mlx_watchdog_max_safe_prefill_tokens",
+    "mlx_watchdog_rate_known",
+    "mlx_watchdog_decoding",
 }
 COUNTERS = {  # sample names; the family names lack "_total"
-    "mlx_watchdog_steps_total", "mlx_watchdog_materialized_arrays_total", "mlx_watchdog_fix_failures_total",
-    "mlx_watchdog_reclaimed_buffers_total", "mlx_watchdog_stops_total",
-    "mlx_watchdog_overhead_seconds_total", "mlx_watchdog_internal_errors_total",
+    "mlx_watchdog_steps_total",
+    "mlx_watchdog_materialized_arrays_total",
+    "mlx_watchdog_fix_failures_total",
+    "mlx_watchdog_reclaimed_buffers_total",
+    "mlx_watchdog_stops_total",
+    "mlx_watchdog_overhead_seconds_total",
+    "mlx_watchdog_internal_errors_total",
 }
 EXTRA_LABELS = {
     "mlx_watchdog_leak_buffers_per_step": {"site"},
@@ -72,6 +85,7 @@ LIMIT = 20_000
 
 
 # --------------------------------------------------------------------------- helpers
+
 
 def families_of(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
@@ -153,6 +167,7 @@ def registry():
 
 # --------------------------------------------------------------------------- exposition
 
+
 def test_promtool_check_metrics_has_no_findings(leaky, flat, fixed, registry):
     promtool = require_binary("promtool")
     prefill = Watchdog(name="exp-prefill")  # fills the families a decode leaves empty
@@ -180,16 +195,20 @@ def test_names_types_help_and_labels(leaky, flat):
             assert family.type == "counter", family.name
         else:
             assert family.name in GAUGES and family.type == "gauge", (family.name, family.type)
-        assert len(family.documentation.split()) >= 4, f"{family.name}: HELP too short: {family.documentation!r}"
+        assert len(family.documentation.split()) >= 4, (
+            f"{family.name}: HELP too short: {family.documentation!r}"
+        )
         for s in family.samples:
             assert s.name in GAUGES | COUNTERS, s.name
             assert set(s.labels) == {"watchdog"} | EXTRA_LABELS.get(s.name, set()), (s.name, s.labels)
     # Both watchdogs, under their own names, in every family of per-watchdog readings.
     for name in ("exp-leaky", "exp-flat"):
-        for sample_name in (GAUGES | COUNTERS) - {"mlx_watchdog_leak_buffers_per_step",
-                                                  "mlx_watchdog_fixed_leak_buffers_per_step",
-                                                  "mlx_watchdog_prefill_graph_nodes",
-                                                  "mlx_watchdog_max_safe_prefill_tokens"}:
+        for sample_name in (GAUGES | COUNTERS) - {
+            "mlx_watchdog_leak_buffers_per_step",
+            "mlx_watchdog_fixed_leak_buffers_per_step",
+            "mlx_watchdog_prefill_graph_nodes",
+            "mlx_watchdog_max_safe_prefill_tokens",
+        }:
             assert samples(families, sample_name, watchdog=name), (sample_name, name)
     # Prefill readings are left out while unknown (None), not exported as 0.
     assert not samples(families, "mlx_watchdog_prefill_graph_nodes", watchdog="exp-leaky")
@@ -216,15 +235,20 @@ def test_values_match_the_forecast_during_a_leaky_decode(leaky, flat, registry):
         assert f.buffers_per_step == pytest.approx(LEAK_PER_STEP, rel=0.1)
         assert value(families, "mlx_watchdog_steps_to_limit", **label) == pytest.approx(f.steps_to_limit)
         assert math.isfinite(f.steps_to_limit) and f.steps_to_limit > 0
-        assert value(families, "mlx_watchdog_time_to_limit_seconds", **label) == pytest.approx(f.seconds_to_limit)
+        assert value(families, "mlx_watchdog_time_to_limit_seconds", **label) == pytest.approx(
+            f.seconds_to_limit
+        )
         assert f.seconds_to_limit == pytest.approx(f.steps_to_limit / f.step_rate) and f.step_rate > 0
         assert value(families, "mlx_watchdog_pending_graph_nodes", **label) == f.pending_graph_nodes
         assert value(families, "mlx_watchdog_folded_leak_sites", **label) == 0
         assert [leak.site for leak in f.leaks] == [LEAK_SITE]
-        assert value(families, "mlx_watchdog_leak_buffers_per_step", site=LEAK_SITE, **label) == \
-            pytest.approx(f.leaks[0].buffers_per_step)
+        assert value(
+            families, "mlx_watchdog_leak_buffers_per_step", site=LEAK_SITE, **label
+        ) == pytest.approx(f.leaks[0].buffers_per_step)
         assert value(families, "mlx_watchdog_steps_total", **label) == wd.steps == f.step
-        assert value(families, "mlx_watchdog_overhead_seconds_total", **label) == pytest.approx(wd.overhead_seconds)
+        assert value(families, "mlx_watchdog_overhead_seconds_total", **label) == pytest.approx(
+            wd.overhead_seconds
+        )
         assert value(families, "mlx_watchdog_internal_errors_total", **label) == wd.internal_errors == 0
         assert value(families, "mlx_watchdog_stops_total", reason="forecast", **label) == 0
         assert value(families, "mlx_watchdog_materialized_arrays_total", **label) == 0  # fix=False
@@ -244,8 +268,9 @@ def test_a_leak_the_fix_cuts_is_exported_apart(fixed, registry):
     families = scrape(registry)
     label = {"watchdog": "exp-fixed"}
     assert [(leak.site, leak.cut) for leak in fixed.wd.forecast().leaks] == [(LEAK_SITE, True)]
-    assert value(families, "mlx_watchdog_fixed_leak_buffers_per_step", site=LEAK_SITE, **label) == \
-        pytest.approx(LEAK_PER_STEP, rel=0.1)
+    assert value(
+        families, "mlx_watchdog_fixed_leak_buffers_per_step", site=LEAK_SITE, **label
+    ) == pytest.approx(LEAK_PER_STEP, rel=0.1)
     assert not samples(families, "mlx_watchdog_leak_buffers_per_step", **label)
     assert value(families, "mlx_watchdog_buffers_per_step", **label) < 0.5
     assert "(cut by the fix)" in fixed.wd.forecast().describe()
@@ -347,6 +372,7 @@ def test_collector_registers_once_and_describes_its_names():
 
 # --------------------------------------------------------------------------- the HTTP server
 
+
 def test_server_on_a_free_port_is_started_once(leaky, registry):
     server = exporter.start_metrics_server(0, registry=registry)
     try:
@@ -418,12 +444,35 @@ def make_cert(directory: Path, name: str) -> tuple[str, str]:
         if openssl is None:
             msg = "neither the cryptography package nor openssl is installed: TLS test not run"
             print(f"\n*** WARNING: {msg} ***", file=sys.stderr)
-            warnings.warn(msg)
+            warnings.warn(msg, stacklevel=2)
             pytest.skip(f"*** {msg} ***")
-        subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                        "-nodes", "-days", "1", "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1",
-                        "-addext", "basicConstraints=critical,CA:TRUE",
-                        "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [
+                openssl,
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                f"/CN={name}",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         return str(cert), str(key)
     import ipaddress
 
@@ -431,16 +480,25 @@ def make_cert(directory: Path, name: str) -> tuple[str, str]:
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = datetime.datetime.now(datetime.timezone.utc)
     certificate = (
-        x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
-        .public_key(private.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
         .sign(private, hashes.SHA256())
     )
     cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     return str(cert), str(key)
 
 
@@ -459,8 +517,9 @@ def test_tls_and_client_certificates(tmp_path, leaky, registry):
     finally:
         server.close()
 
-    mutual = exporter.start_metrics_server(0, registry=registry, certfile=cert, keyfile=key,
-                                           client_cafile=client_cert, client_auth_required=True)
+    mutual = exporter.start_metrics_server(
+        0, registry=registry, certfile=cert, keyfile=key, client_cafile=client_cert, client_auth_required=True
+    )
     try:
         with pytest.raises(OSError):  # no client certificate: the handshake is refused
             http_get(mutual.url, timeout=3, context=trust_server)
@@ -479,10 +538,14 @@ def test_tls_option_errors(tmp_path, registry):
     with pytest.raises(ValueError, match="need TLS"):
         exporter.start_metrics_server(0, registry=registry, client_cafile=cert)
     with pytest.raises(ValueError, match="client_cafile or client_capath"):
-        exporter.start_metrics_server(0, registry=registry, certfile=cert, keyfile=key, client_auth_required=True)
+        exporter.start_metrics_server(
+            0, registry=registry, certfile=cert, keyfile=key, client_auth_required=True
+        )
     port = free_port()
     with pytest.raises(ValueError, match=rf"127\.0\.0\.1:{port}.*missing\.pem"):
-        exporter.start_metrics_server(port, registry=registry, certfile=str(tmp_path / "missing.pem"), keyfile=key)
+        exporter.start_metrics_server(
+            port, registry=registry, certfile=str(tmp_path / "missing.pem"), keyfile=key
+        )
     with socket.socket() as s:  # the bad files were found before the port was bound
         s.bind(("127.0.0.1", port))
 
@@ -491,7 +554,12 @@ def test_wsgi_and_asgi_apps(leaky):
     reg = CollectorRegistry()
     wsgi = exporter.make_wsgi_app(reg)
     replies = []
-    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": "/metrics", "QUERY_STRING": "", "wsgi.input": io.BytesIO()}
+    environ = {
+        "REQUEST_METHOD": "GET",
+        "PATH_INFO": "/metrics",
+        "QUERY_STRING": "",
+        "wsgi.input": io.BytesIO(),
+    }
     body = b"".join(wsgi(environ, lambda status, headers: replies.append(status)))
     assert replies == ["200 OK"]
     assert samples(families_of(body.decode()), "mlx_watchdog_steps_total", watchdog="exp-leaky")
@@ -535,6 +603,7 @@ def test_default_metrics_port(monkeypatch):
 
 # --------------------------------------------------------------------------- a real Prometheus
 
+
 @pytest.fixture
 def prometheus(tmp_path):
     """Start Prometheus on a free loopback port; returns a function that starts scraping a target."""
@@ -561,8 +630,9 @@ def test_real_prometheus_scrapes_the_forecast(prometheus, leaky, flat, registry)
     server = exporter.start_metrics_server(0, registry=registry)
     try:
         base = prometheus(server.port)
-        wanted = ('{__name__=~"mlx_watchdog_(buffers_per_step|steps_to_limit|steps_total)",'
-                  'watchdog="exp-leaky"}')
+        wanted = (
+            '{__name__=~"mlx_watchdog_(buffers_per_step|steps_to_limit|steps_total)",watchdog="exp-leaky"}'
+        )
         # While the decode runs (Prometheus scrapes every second from its own process).
         seen_during = None
         deadline = time.monotonic() + 40
@@ -577,8 +647,9 @@ def test_real_prometheus_scrapes_the_forecast(prometheus, leaky, flat, registry)
         # Each step brings the limit one step closer: correct for the steps since that scrape.
         behind = now.step - got["mlx_watchdog_steps_total"]
         assert 0 <= behind
-        assert got["mlx_watchdog_steps_to_limit"] == pytest.approx(now.steps_to_limit + behind,
-                                                                     rel=0.05, abs=10)
+        assert got["mlx_watchdog_steps_to_limit"] == pytest.approx(
+            now.steps_to_limit + behind, rel=0.05, abs=10
+        )
         leaky.advance(20)
 
         # The decode holds still: the next scrape carries exactly the watchdog's forecast.
@@ -603,6 +674,7 @@ def test_real_prometheus_scrapes_the_forecast(prometheus, leaky, flat, registry)
 
 
 # --------------------------------------------------------------------------- the real scrape, linted
+
 
 def test_promtool_check_metrics_on_a_real_http_scrape(leaky, flat):
     # What Prometheus gets: the global registry (process, platform and gc collectors beside the
@@ -636,18 +708,25 @@ def test_process_metrics_from_psutil_where_proc_is_missing():
     # Against an independent reading of the same process: prometheus_client's /proc collector.
     truth = CollectorRegistry()
     ProcessCollector(registry=truth)
-    for name, rel, abs_ in (("process_resident_memory_bytes", 0.2, 0), ("process_virtual_memory_bytes", 0.2, 0),
-                            ("process_start_time_seconds", 0, 1.5), ("process_cpu_seconds_total", 0.05, 0.5),
-                            ("process_open_fds", 0, 5)):
+    for name, rel, abs_ in (
+        ("process_resident_memory_bytes", 0.2, 0),
+        ("process_virtual_memory_bytes", 0.2, 0),
+        ("process_start_time_seconds", 0, 1.5),
+        ("process_cpu_seconds_total", 0.05, 0.5),
+        ("process_open_fds", 0, 5),
+    ):
         got, want = reg.get_sample_value(name), truth.get_sample_value(name)
         assert got is not None and want is not None, name
         assert got == pytest.approx(want, rel=rel, abs=abs_), name
     promtool = require_binary("promtool")
-    result = subprocess.run([promtool, "check", "metrics"], input=generate_latest(reg), capture_output=True, timeout=30)
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=generate_latest(reg), capture_output=True, timeout=30
+    )
     assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), result
 
 
 # --------------------------------------------------------------------------- site series: bounded
+
 
 def leaking_objects(n: int) -> list:
     """n objects of n classes, each with one 0-d array that `x = x - 1` strands a buffer of per step."""
@@ -720,6 +799,7 @@ def test_no_key_text_of_a_user_dict_reaches_the_metrics():
 
 
 # --------------------------------------------------------------------------- the server under abuse
+
 
 def _threads() -> int:
     return psutil.Process().num_threads()
@@ -853,9 +933,17 @@ def test_keep_alive_head_gzip_and_bad_requests(leaky, registry):
         server.close()
 
 
-@pytest.mark.parametrize("option, bad", [("max_connections", 0), ("max_connections", 2.5), ("idle_timeout", 0),
-                                         ("idle_timeout", math.inf), ("max_header_bytes", -1),
-                                         ("max_sites", 1)])
+@pytest.mark.parametrize(
+    "option, bad",
+    [
+        ("max_connections", 0),
+        ("max_connections", 2.5),
+        ("idle_timeout", 0),
+        ("idle_timeout", math.inf),
+        ("max_header_bytes", -1),
+        ("max_sites", 1),
+    ],
+)
 def test_bad_server_options_are_value_errors(registry, option, bad):
     with pytest.raises(ValueError, match=option):
         exporter.start_metrics_server(0, registry=registry, **{option: bad})
@@ -879,4 +967,8 @@ def test_a_site_that_stops_leaking_reads_0_instead_of_vanishing():
             break
     assert [leak.site for leak in wd.forecast().leaks] == ["LeakyCache00.offset"], wd.forecast().leaks
     after = {s.labels["site"]: s.value for s in samples(scrape(reg), "mlx_watchdog_leak_buffers_per_step")}
-    assert after == {"LeakyCache00.offset": pytest.approx(1), "LeakyCache01.offset": 0, "LeakyCache02.offset": 0}
+    assert after == {
+        "LeakyCache00.offset": pytest.approx(1),
+        "LeakyCache01.offset": 0,
+        "LeakyCache02.offset": 0,
+    }

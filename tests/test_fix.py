@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
+from mlx_watchdog import Forecast, ResourceLimitForecast, Watchdog, find_arrays, tiny
+from mlx_watchdog.attach.model import unwatch_model, watch_model
 from mlx_watchdog.core import actions
 from mlx_watchdog.core import fix as fix_module
-from mlx_watchdog import Forecast, ResourceLimitForecast, Watchdog, find_arrays, tiny
 from mlx_watchdog.core import watchdog as core
-from mlx_watchdog.attach.model import unwatch_model, watch_model
 from mlx_watchdog.core.graph import account, is_evaluated
 
 LEAK_LAYERS = 4  # qwen3_next, full attention every 4th layer: 3 linear-attention layers
@@ -174,7 +174,9 @@ def test_plain_decode_is_identical_with_fix(case, watching):
     assert_identical(expected, got)
     assert wd.steps >= len(expected[0]) and wd.internal_errors == 0
     if cache_kind is not None:
-        assert any(isinstance(c, cache_kind) for c in seen[-1]), f"the decode did not use {cache_kind.__name__}"
+        assert any(isinstance(c, cache_kind) for c in seen[-1]), (
+            f"the decode did not use {cache_kind.__name__}"
+        )
     if model_type in ("qwen3_next", "deepseek_v41"):
         # Their caches keep arrays pending between steps: the fix really ran.
         assert wd.materialized_arrays > 0
@@ -296,8 +298,14 @@ def test_fix_cuts_the_live_batched_leak(watching):
     base = Watchdog(export=False)
     watching(m, base)
     retained_base = []
-    base_tokens, _ = batched_decode(m, PROMPTS, 300, on_step=lambda s, g: s == 300 and retained_base.append(
-        account(live_cache_arrays(g)).retained_buffers))
+    base_tokens, _ = batched_decode(
+        m,
+        PROMPTS,
+        300,
+        on_step=lambda s, g: (
+            s == 300 and retained_base.append(account(live_cache_arrays(g)).retained_buffers)
+        ),
+    )
     assert base.forecast().buffers_per_step == pytest.approx(LEAK_RATE, rel=0.05)
     assert retained_base[0] >= 0.9 * LEAK_RATE * 300
 
@@ -305,8 +313,12 @@ def test_fix_cuts_the_live_batched_leak(watching):
     watching(m, wd)
     steps = 2000
     retained = []
-    tokens, _ = batched_decode(m, PROMPTS, steps, on_step=lambda s, g: s % 500 == 0 and retained.append(
-        account(live_cache_arrays(g)).retained_buffers))
+    tokens, _ = batched_decode(
+        m,
+        PROMPTS,
+        steps,
+        on_step=lambda s, g: s % 500 == 0 and retained.append(account(live_cache_arrays(g)).retained_buffers),
+    )
     forecast = wd.forecast()
     assert forecast.step >= steps
     assert forecast.buffers_per_step < 0.01
@@ -341,12 +353,23 @@ def test_warn_within_logs_once_a_minute_naming_the_top_site(watching, caplog, mo
     limit = _resident_at_start(m, watching) + 100_000
     received = []
     # A large walk budget: this test is about the warning, not about sampling.
-    wd = Watchdog(limit, warn_within=1_000_000, on_forecast=received.append, overhead_budget=1.0, walk_interval=0, export=False)
+    wd = Watchdog(
+        limit,
+        warn_within=1_000_000,
+        on_forecast=received.append,
+        overhead_budget=1.0,
+        walk_interval=0,
+        export=False,
+    )
     watching(m, wd)
     caplog.set_level(logging.WARNING, logger="mlx_watchdog")
 
     def warnings():
-        return [r for r in caplog.records if r.name == "mlx_watchdog" and "resource limit forecast" in r.getMessage()]
+        return [
+            r
+            for r in caplog.records
+            if r.name == "mlx_watchdog" and "resource limit forecast" in r.getMessage()
+        ]
 
     batched_decode(m, PROMPTS, 60)
     assert len(warnings()) == 1
@@ -455,7 +478,9 @@ def test_what_the_fix_cuts_and_what_it_cannot_are_reported_apart(chains, appende
     for _ in range(80):
         wd.observe(cache)
         cache.step()
-    rates = {cut: leak.buffers_per_step for cut in (True, False) for leak in wd.forecast().leaks if leak.cut == cut}
+    rates = {
+        cut: leak.buffers_per_step for cut in (True, False) for leak in wd.forecast().leaks if leak.cut == cut
+    }
     assert {leak.site for leak in wd.forecast().leaks} <= {"GrowingListWithChains.blocks"}
     assert rates.get(True, 0.0) == pytest.approx(chains, abs=0.1)  # the chains, cut
     assert rates.get(False, 0.0) == pytest.approx(appended, abs=0.1)  # the blocks, still growing
@@ -538,6 +563,7 @@ def test_fix_does_not_stall_the_decode_pipeline(watching, monkeypatch):
             caller = sys._getframe(1).f_globals.get("__name__", "")
             calls["watchdog" if caller.startswith("mlx_watchdog") else "other"] += 1
             return real(*args, **kwargs)
+
         return wrapper
 
     m = model("qwen3_next", LEAK_LAYERS)  # built first: building evaluates its weights
@@ -605,6 +631,7 @@ def test_materializing_does_not_starve_the_walks(monkeypatch):
     keep walking like the other. Their walks are spaced by a set interval (0.2 s, ~18 steps):
     by default the interval follows each walk's own CPU time (0.17-0.65 ms here, so 0.5-0.65 s),
     and the two drift apart by up to a whole interval under load (CI: last walks 262 and 300)."""
+
     def spin(seconds):  # CPU work (the budget is charged in thread CPU time)
         end = time.thread_time() + seconds
         while time.thread_time() < end:
@@ -623,7 +650,7 @@ def test_materializing_does_not_starve_the_walks(monkeypatch):
     pairs = [(slow, slow_cache), (fast, fast_cache)]
     for step in range(steps):
         for wd, cache in pairs if step % 2 else pairs[::-1]:  # alternate: the first one after the
-            wd.observe(cache)                                  # long step walks slower (cold caches)
+            wd.observe(cache)  # long step walks slower (cold caches)
             cache.step()
         spin(0.01)  # the decode step itself
     assert slow.materialized_arrays >= steps // 3  # the fix ran (every other step while walks are dense)
@@ -631,7 +658,12 @@ def test_materializing_does_not_starve_the_walks(monkeypatch):
     assert last_fast > steps - 40  # walks went on to the end
     # Charged to the budget, the slow one's fix would spend the start-up credit by step ~120.
     # (Under load each one's walks drift by a few steps: each is due 0.2 s after the last one.)
-    assert last_slow >= last_fast - 20 and slow.walks >= fast.walks - 2, (last_slow, last_fast, slow.walks, fast.walks)
+    assert last_slow >= last_fast - 20 and slow.walks >= fast.walks - 2, (
+        last_slow,
+        last_fast,
+        slow.walks,
+        fast.walks,
+    )
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])

@@ -6,12 +6,20 @@ import statistics
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_watchdog.core.forecast import (RECENT_POINTS, RECENT_SPAN, epoch_slope, robust_slope, seconds_from_steps,
-                                   steps_to_limit)
+from mlx_watchdog.core.forecast import (
+    RECENT_POINTS,
+    RECENT_SPAN,
+    epoch_slope,
+    robust_slope,
+    seconds_from_steps,
+    steps_to_limit,
+)
 
 
 def reference_slope(points):
-    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1:] if x2 > x1]
+    slopes = [
+        (y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points) for x2, y2 in points[i + 1 :] if x2 > x1
+    ]
     return statistics.median(slopes) if slopes else 0.0
 
 
@@ -66,7 +74,7 @@ def reference_level_cut(points):
             excess = [r - typical for r in rises]
             k = excess.index(max(excess))
             if excess[k] > 0 and excess[k] >= 0.5 * sum(excess) and 2 <= k + 1 <= len(member) - 2:
-                member = member[:k + 1] + [(x, y, (epoch, "cut")) for x, y, _ in member[k + 1:]]
+                member = member[: k + 1] + [(x, y, (epoch, "cut")) for x, y, _ in member[k + 1 :]]
         out += member
     return out
 
@@ -77,8 +85,12 @@ def reference_epoch_slope(points):
     if len(latest) >= RECENT_POINTS and latest[-1][0] - latest[0][0] >= RECENT_SPAN:
         points = latest
     points = reference_level_cut(points)
-    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1, e1) in enumerate(points)
-              for x2, y2, e2 in points[i + 1:] if x2 > x1 and e1 == e2]
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for i, (x1, y1, e1) in enumerate(points)
+        for x2, y2, e2 in points[i + 1 :]
+        if x2 > x1 and e1 == e2
+    ]
     return statistics.median(slopes) if slopes else None
 
 
@@ -116,9 +128,21 @@ def test_a_level_shift_inside_an_epoch_is_no_growth():
 def test_describe_says_when_the_limit_comes_or_that_it_does_not():
     from mlx_watchdog.core.forecast import Forecast
 
-    flat = Forecast(step=10, resident_buffers=100, limit=1000, buffers_per_step=0.0,
-                    steps_to_limit=math.inf, seconds_to_limit=math.inf)
+    flat = Forecast(
+        step=10,
+        resident_buffers=100,
+        limit=1000,
+        buffers_per_step=0.0,
+        steps_to_limit=math.inf,
+        seconds_to_limit=math.inf,
+    )
     assert "the limit is not approached" in flat.describe() and "never" not in flat.describe()
-    rising = Forecast(step=10, resident_buffers=100, limit=1000, buffers_per_step=5.0,
-                      steps_to_limit=steps_to_limit(100, 1000, 5.0), seconds_to_limit=18.0)
+    rising = Forecast(
+        step=10,
+        resident_buffers=100,
+        limit=1000,
+        buffers_per_step=5.0,
+        steps_to_limit=steps_to_limit(100, 1000, 5.0),
+        seconds_to_limit=18.0,
+    )
     assert "limit in 180 steps (18 s)" in rising.describe()

@@ -16,6 +16,7 @@ Prometheus, promtool and Alertmanager come from Debian's `prometheus` and
 `prometheus-alertmanager` packages (`make system-deps`). Without them these
 tests are skipped with a loud reason, except under CI=true, where they fail.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,7 +30,15 @@ import warnings
 from pathlib import Path
 
 import pytest
-from support import JOB, http_get, prom_api, require_binary, start_alertmanager, start_prometheus, stop_process
+from support import (
+    JOB,
+    http_get,
+    prom_api,
+    require_binary,
+    start_alertmanager,
+    start_prometheus,
+    stop_process,
+)
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is needed (pip install pyyaml; it is in the [test] extra)")
 
@@ -132,7 +141,9 @@ def template_vars(dash: dict) -> list[dict]:
     return dash["templating"]["list"]
 
 
-LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?P<selector>.+?)\s*,\s*(?P<label>[a-zA-Z_][a-zA-Z0-9_]*)\s*\)\s*$", re.S)
+LABEL_VALUES = re.compile(
+    r"^\s*label_values\(\s*(?P<selector>.+?)\s*,\s*(?P<label>[a-zA-Z_][a-zA-Z0-9_]*)\s*\)\s*$", re.S
+)
 
 
 def variable_queries(dash: dict) -> list[tuple[str, str, str]]:
@@ -296,9 +307,13 @@ def test_dashboard_schema_and_datasources():
     assert len(ds_vars) == 1 and ds_vars[0]["type"] == "datasource" and ds_vars[0]["query"] == "prometheus"
 
     for p in all_panels(dash):
-        assert p.get("datasource") == DS, f"panel {p['id']} {p.get('title')!r}: datasource {p.get('datasource')}"
+        assert p.get("datasource") == DS, (
+            f"panel {p['id']} {p.get('title')!r}: datasource {p.get('datasource')}"
+        )
         for t in p.get("targets", []):
-            assert t.get("datasource") == DS, f"panel {p['id']} target {t.get('refId')}: datasource {t.get('datasource')}"
+            assert t.get("datasource") == DS, (
+                f"panel {p['id']} target {t.get('refId')}: datasource {t.get('datasource')}"
+            )
         refs = [t["refId"] for t in p.get("targets", [])]
         assert len(refs) == len(set(refs)), f"panel {p['id']}: duplicate refIds"
     for v in template_vars(dash):
@@ -328,13 +343,18 @@ def test_dashboard_panels_ids_layout_descriptions_units():
     for p in panels:
         if p["type"] == "row":
             continue
-        assert len(p.get("description", "")) >= 60, f"panel {p['id']} {p['title']!r}: needs a real description"
+        assert len(p.get("description", "")) >= 60, (
+            f"panel {p['id']} {p['title']!r}: needs a real description"
+        )
         assert p["fieldConfig"]["defaults"].get("unit"), f"panel {p['id']} {p['title']!r}: no unit"
         assert p.get("targets"), f"panel {p['id']} {p['title']!r}: no query"
 
     by_title = {p["title"]: p for p in panels}
     assert by_title["Time to limit"]["fieldConfig"]["defaults"]["unit"] == "s"
-    assert by_title["Watchdog overhead (share of decode time)"]["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert (
+        by_title["Watchdog overhead (share of decode time)"]["fieldConfig"]["defaults"]["unit"]
+        == "percentunit"
+    )
     assert by_title["MLX memory vs memory limit"]["fieldConfig"]["defaults"]["unit"] == "bytes"
     assert by_title["Process resident memory (RSS)"]["fieldConfig"]["defaults"]["unit"] == "bytes"
     for title in ("Steps to limit", "Time to limit"):
@@ -406,7 +426,7 @@ def test_dashboard_shows_every_contract_metric():
     assert CONTRACT - used == set(), f"contract metrics missing from the dashboard: {sorted(CONTRACT - used)}"
     names, source = exposed_names()
     if names - used:  # new exporter metrics: not an error, but the dashboard should learn them
-        warnings.warn(f"metrics from {source} not on the dashboard: {sorted(names - used)}")
+        warnings.warn(f"metrics from {source} not on the dashboard: {sorted(names - used)}", stacklevel=2)
 
 
 def test_metric_name_extraction():
@@ -458,7 +478,9 @@ def synthetic_openmetrics(end: int) -> str:
         add("mlx_watchdog_steps_to_limit", labels, to_limit)
         add("mlx_watchdog_time_to_limit_seconds", labels, [s / step_rate for s in to_limit])
         add("mlx_watchdog_pending_graph_nodes", labels, [3 + growth] * n)
-        add("mlx_watchdog_leak_buffers_per_step", {**labels, "site": "ArraysCache.left_padding"}, [growth] * n)
+        add(
+            "mlx_watchdog_leak_buffers_per_step", {**labels, "site": "ArraysCache.left_padding"}, [growth] * n
+        )
         add("mlx_watchdog_leak_buffers_per_step", {**labels, "site": "KVCache.keys"}, [0.0] * n)
         add("mlx_watchdog_fixed_leak_buffers_per_step", {**labels, "site": "ArraysCache.offset"}, [1.0] * n)
         add("mlx_watchdog_folded_leak_sites", labels, [0.0] * n)
@@ -472,7 +494,14 @@ def synthetic_openmetrics(end: int) -> str:
         add("process_resident_memory_bytes", {"job": JOB, "instance": base["instance"]}, [2e9] * n)
         add("mlx_watchdog_prefill_graph_nodes", labels, [12000.0] * n)
         add("mlx_watchdog_max_safe_prefill_tokens", labels, [32768.0] * n)
-        info = {**labels, "version": "0.1.0", "mlx_version": "0.32.4", "mlx_lm_version": "0.32.2", "device": "gpu", "fix": fix}
+        info = {
+            **labels,
+            "version": "0.1.0",
+            "mlx_version": "0.32.4",
+            "mlx_lm_version": "0.32.2",
+            "device": "gpu",
+            "fix": fix,
+        }
         add("mlx_watchdog_info", info, [1.0] * n)
         add("mlx_watchdog_steps_total", labels, steps)
         add("mlx_watchdog_materialized_arrays_total", labels, [40 * s for s in steps])
@@ -520,11 +549,14 @@ def prometheus(request, tmp_path_factory) -> Prometheus:
     end = int(time.time()) // SCRAPE * SCRAPE - 2 * SCRAPE
     data = work / "data"
     (work / "input.om").write_text(synthetic_openmetrics(end))
-    r = run([promtool, "tsdb", "create-blocks-from", "openmetrics", str(work / "input.om"), str(data)], timeout=60)
+    r = run(
+        [promtool, "tsdb", "create-blocks-from", "openmetrics", str(work / "input.om"), str(data)], timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     # No targets: every query reads the backfilled blocks.
-    proc, url = start_prometheus(work, storage=data,
-                                 extra_flags=["--storage.tsdb.retention.time=30d", "--log.level=warn"])
+    proc, url = start_prometheus(
+        work, storage=data, extra_flags=["--storage.tsdb.retention.time=30d", "--log.level=warn"]
+    )
     request.addfinalizer(lambda: stop_process(proc))
     return Prometheus(url, end)
 
@@ -585,6 +617,8 @@ def test_dashboard_queries_return_data(prometheus, values):
 
 def test_forecast_panels_see_the_worst_rank(prometheus):
     # Steps-to-limit per rank: the flat rank is +Inf, the leaking one finite.
-    res = prometheus.query(substitute('mlx_watchdog_steps_to_limit{watchdog=~"$watchdog",rank=~"$rank"}', ALL))
+    res = prometheus.query(
+        substitute('mlx_watchdog_steps_to_limit{watchdog=~"$watchdog",rank=~"$rank"}', ALL)
+    )
     by_rank = {s["metric"].get("rank", ""): float(s["value"][1]) for s in res["data"]["result"]}
     assert math.isinf(by_rank["0"]) and by_rank["1"] < 1e6 and by_rank[""] < 1e6

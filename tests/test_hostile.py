@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from mlx_watchdog import Watchdog, find_arrays, materialize
 from mlx_watchdog.core import arrays as introspect
-from mlx_watchdog.core.graph import account, is_evaluated
 from mlx_watchdog.core.arrays import resolve, scan
+from mlx_watchdog.core.graph import account, is_evaluated
 
 CALLS: list[str] = []
 ARMED = [False]
@@ -84,19 +84,56 @@ def hostile_property(name: str, how: str, normal=None):
         if ARMED[0]:
             act(f"property {name}", how)
         return normal(self) if normal else DECOY
+
     return property(get)
 
 
 DECOY = mx.array(-1)  # what properties return: never counted
 
-OBJECT_HOOKS = ("__getattribute__", "__getattr__", "__repr__", "__str__", "__eq__", "__hash__",
-                "__format__", "__len__", "__bool__", "__iter__", "__dir__", "__sizeof__", "__reduce_ex__")
+OBJECT_HOOKS = (
+    "__getattribute__",
+    "__getattr__",
+    "__repr__",
+    "__str__",
+    "__eq__",
+    "__hash__",
+    "__format__",
+    "__len__",
+    "__bool__",
+    "__iter__",
+    "__dir__",
+    "__sizeof__",
+    "__reduce_ex__",
+)
 CONTAINER_HOOKS = {
-    list: ("__iter__", "__getitem__", "__len__", "__bool__", "copy", "__reversed__", "__repr__",
-           "__getattribute__", "__eq__", "__contains__"),
+    list: (
+        "__iter__",
+        "__getitem__",
+        "__len__",
+        "__bool__",
+        "copy",
+        "__reversed__",
+        "__repr__",
+        "__getattribute__",
+        "__eq__",
+        "__contains__",
+    ),
     tuple: ("__iter__", "__getitem__", "__len__", "__repr__", "__getattribute__", "__eq__", "__hash__"),
-    dict: ("items", "keys", "values", "__iter__", "__getitem__", "get", "copy", "__len__", "__missing__",
-           "__repr__", "__getattribute__", "__eq__", "__contains__"),
+    dict: (
+        "items",
+        "keys",
+        "values",
+        "__iter__",
+        "__getitem__",
+        "get",
+        "copy",
+        "__len__",
+        "__missing__",
+        "__repr__",
+        "__getattribute__",
+        "__eq__",
+        "__contains__",
+    ),
     collections.OrderedDict: ("items", "keys", "values", "__iter__", "__getitem__", "__len__", "__repr__"),
 }
 
@@ -105,8 +142,17 @@ class HostileMeta(type):
     """A metaclass whose every hook misbehaves once armed: reading a class through it would run it."""
 
 
-for _name in ("__getattribute__", "__repr__", "__eq__", "__hash__", "__instancecheck__", "__subclasscheck__",
-              "__len__", "__iter__", "mro"):
+for _name in (
+    "__getattribute__",
+    "__repr__",
+    "__eq__",
+    "__hash__",
+    "__instancecheck__",
+    "__subclasscheck__",
+    "__len__",
+    "__iter__",
+    "mro",
+):
     setattr(HostileMeta, _name, hook(type, _name, "raise"))
 
 
@@ -157,6 +203,7 @@ class HostileKey:
 
 # --------------------------------------------------------------------------- graph builder
 
+
 class Graph:
     """Builds one hostile graph and the truth: the arrays placed where the program holds them."""
 
@@ -184,8 +231,26 @@ class Graph:
         draw = self.data.draw
         if depth >= 5:
             return self.array() if draw(st.booleans()) else draw(st.sampled_from([0, "s", None, 1.5]))
-        kind = draw(st.sampled_from(["array", "atom", "list", "tuple", "dict", "deque", "object", "slots",
-                                     "list_sub", "tuple_sub", "dict_sub", "ordered", "huge", "decoy"]))
+        kind = draw(
+            st.sampled_from(
+                [
+                    "array",
+                    "atom",
+                    "list",
+                    "tuple",
+                    "dict",
+                    "deque",
+                    "object",
+                    "slots",
+                    "list_sub",
+                    "tuple_sub",
+                    "dict_sub",
+                    "ordered",
+                    "huge",
+                    "decoy",
+                ]
+            )
+        )
         if kind == "array":
             return self.array()
         if kind == "atom":
@@ -207,8 +272,14 @@ class Graph:
             for child in children[3:]:
                 self._untruth(child)  # no slot for it
         else:
-            cls = hostile_class(object, draw(st.sets(st.sampled_from(OBJECT_HOOKS), max_size=5)), how,
-                                spoof=draw(st.booleans()), meta=draw(st.booleans()), hide_dict=draw(st.booleans()))
+            cls = hostile_class(
+                object,
+                draw(st.sets(st.sampled_from(OBJECT_HOOKS), max_size=5)),
+                how,
+                spoof=draw(st.booleans()),
+                meta=draw(st.booleans()),
+                hide_dict=draw(st.booleans()),
+            )
             value = cls()
             for i, child in enumerate(children):
                 object.__setattr__(value, f"a{i}" if i % 2 else f"_{cls.__name__}__p{i}", child)
@@ -218,9 +289,11 @@ class Graph:
 
     def _plain(self, kind, children):
         if kind == "dict":
-            keys = self.data.draw(st.sampled_from([["pos", "keys", "values", "x", "y"], ["a b", "7", "é", "k", "__x"]]))
+            keys = self.data.draw(
+                st.sampled_from([["pos", "keys", "values", "x", "y"], ["a b", "7", "é", "k", "__x"]])
+            )
             value = dict(zip(keys, children))
-            for child in children[len(keys):]:
+            for child in children[len(keys) :]:
                 self._untruth(child)
         else:
             value = {"list": list, "tuple": tuple, "deque": collections.deque}[kind](children)
@@ -229,9 +302,13 @@ class Graph:
         return value
 
     def _subclass(self, kind, children, how):
-        base = {"list_sub": list, "tuple_sub": tuple, "dict_sub": dict, "ordered": collections.OrderedDict}[kind]
+        base = {"list_sub": list, "tuple_sub": tuple, "dict_sub": dict, "ordered": collections.OrderedDict}[
+            kind
+        ]
         hooks = self.data.draw(st.sets(st.sampled_from(CONTAINER_HOOKS[base]), min_size=1))
-        cls = hostile_class(base, hooks, how, spoof=False, meta=self.data.draw(st.booleans()), hide_dict=False)
+        cls = hostile_class(
+            base, hooks, how, spoof=False, meta=self.data.draw(st.booleans()), hide_dict=False
+        )
         if base is list:
             value = cls()
             list.extend(value, children)
@@ -303,7 +380,10 @@ def timed_walk(walk):
 
 # --------------------------------------------------------------------------- the property test
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 @given(st.data())
 def test_hostile_graphs_are_walked_without_their_code_and_every_placed_array_is_counted(data):
     graph = Graph(data)
@@ -333,6 +413,7 @@ def test_hostile_graphs_are_walked_without_their_code_and_every_placed_array_is_
 
 
 # --------------------------------------------------------------------------- cases one by one
+
 
 def test_a_list_of_3_million_ints_is_skipped_quickly_counted_and_logged(caplog):
     class Cache:
@@ -383,9 +464,14 @@ def test_a_dict_subclass_is_read_without_its_methods_and_its_keys_stay_out_of_th
     assert CALLS == []
     assert {id(f.array) for f in found} >= {id(a) for a in placed}
     by_path = {f.path: f.site for f in found}
-    assert by_path == {"[0].rows[<key 0>]": "Cache.rows", "[0].rows[<key 1>]": "Cache.rows",
-                       "[0].rows[<key 2>]": "Cache.rows", "[0].rows[<key 3>]": "Cache.rows",
-                       "[0].meta['pos']": "Cache.meta", "[0].meta[<key 1>]": "Cache.meta"}
+    assert by_path == {
+        "[0].rows[<key 0>]": "Cache.rows",
+        "[0].rows[<key 1>]": "Cache.rows",
+        "[0].rows[<key 2>]": "Cache.rows",
+        "[0].rows[<key 3>]": "Cache.rows",
+        "[0].meta['pos']": "Cache.meta",
+        "[0].meta[<key 1>]": "Cache.meta",
+    }
     # At the root, a user dict's keys are no site either; a plain dict's identifier keys are.
     assert {f.site for f in scan(cache.rows).found} == {"Rows[]"}
     assert {f.site for f in scan(cache.meta).found} == {"dict.pos", "dict[]"}
@@ -401,7 +487,9 @@ def test_no_key_text_of_a_user_dict_reaches_the_metrics():
 
     class Cache:
         def __init__(self):
-            self.by_user = Sessions({f"alice{i}@example.com: my password is hunter{i}": mx.array(0) for i in range(3)})
+            self.by_user = Sessions(
+                {f"alice{i}@example.com: my password is hunter{i}": mx.array(0) for i in range(3)}
+            )
             self.by_user["alice"] = mx.array(0)  # looks like a name, but is a user dict's key
             self.by_user[7] = mx.array(0)
 
@@ -433,14 +521,19 @@ def test_slots_private_and_shadowed_are_read_where_the_object_holds_them():
     with armed():
         found = {f.path: f for f in scan(obj).found}
     assert CALLS == []
-    assert {p: f.array for p, f in found.items()} == {"plain": plain, "_Slotted__private": private,
-                                                      "shadowed": shadowed}
+    assert {p: f.array for p, f in found.items()} == {
+        "plain": plain,
+        "_Slotted__private": private,
+        "shadowed": shadowed,
+    }
     assert found["shadowed"].site == "ShadowsASlot.shadowed"
     assert resolve(obj, found["shadowed"].steps) is shadowed  # the slot, not the property (DECOY)
 
 
 def test_an_object_that_spoofs_mx_array_or_hides_its_dict_is_walked_as_an_object():
-    cls = hostile_class(object, ("__getattribute__", "__repr__"), "raise", spoof=True, meta=True, hide_dict=True)
+    cls = hostile_class(
+        object, ("__getattribute__", "__repr__"), "raise", spoof=True, meta=True, hide_dict=True
+    )
     obj = cls()
     inside = mx.array(5)
     object.__setattr__(obj, "keys", inside)

@@ -96,6 +96,7 @@ def test_module_roots_are_walked_as_dicts():
 
 # ---------------------------------------------------------------- property-based
 
+
 def _structures():
     leaves = st.one_of(
         st.integers(),
@@ -174,8 +175,13 @@ def _containers(obj, seen=None):
         return []
     seen.add(id(obj))
     out = [obj]
-    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else (
-        [obj.left, obj.right] if isinstance(obj, _Obj) else [])
+    children = (
+        obj.values()
+        if isinstance(obj, dict)
+        else obj
+        if isinstance(obj, (list, tuple))
+        else ([obj.left, obj.right] if isinstance(obj, _Obj) else [])
+    )
     for child in list(children):
         out += _containers(child, seen)
     return out
@@ -206,7 +212,9 @@ def _dict_made(obj) -> bool:
     return any(type(held) is dict for held in gc.get_referents(obj))
 
 
-@pytest.mark.skipif(not INLINE_DETECTABLE, reason="inline attribute values are observable on CPython 3.11/3.12 only")
+@pytest.mark.skipif(
+    not INLINE_DETECTABLE, reason="inline attribute values are observable on CPython 3.11/3.12 only"
+)
 @pytest.mark.parametrize("inline", [True, False])
 def test_walked_caches_keep_their_inline_attributes(inline, monkeypatch):
     """A decode's caches after the watchdog walked them and followed their paths: read through
@@ -252,7 +260,9 @@ class Assigned:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.sampled_from(["grow", "outside", "default", "del_a", "odd_key", "view_entry"]), max_size=5))
+@given(
+    st.lists(st.sampled_from(["grow", "outside", "default", "del_a", "odd_key", "view_entry"]), max_size=5)
+)
 def test_attributes_read_by_name_are_the_instance_dict(changes):
     """Whatever the instance holds (attributes its class assigns, ones set from outside, a
     shadowed class default, a deleted one, a non-identifier key, an entry hidden behind a
@@ -284,12 +294,15 @@ def test_attributes_read_by_name_are_the_instance_dict(changes):
         read = rawread.attributes(obj, t, 1000)
         truth = vars(obj)
         got = {(key, id(child)) for key, _, child in read if rawread.info(type(child)).kind > rawread.OPAQUE}
-        want = {(key, id(child)) for key, child in truth.items() if rawread.info(type(child)).kind > rawread.OPAQUE}
+        want = {
+            (key, id(child))
+            for key, child in truth.items()
+            if rawread.info(type(child)).kind > rawread.OPAQUE
+        }
         assert got == want
         for key, step, child in read:  # and each is found again by its step (what the fix follows)
             if type(key) is str:
                 assert rawread.attribute(obj, step) is child
-
 
 
 def test_a_property_added_to_the_class_after_a_walk_is_never_called():
@@ -306,7 +319,9 @@ def test_a_property_added_to_the_class_after_a_walk_is_never_called():
     assert [f.path for f in first] == ["x"]
 
     calls = []
-    Late.x = property(lambda self: calls.append("x") or mx.ones((1,)))  # noted, not raised: nothing may swallow it
+    Late.x = property(
+        lambda self: calls.append("x") or mx.ones((1,))
+    )  # noted, not raised: nothing may swallow it
     again = scan_all([(obj, "")]).found
     assert [f.path for f in again] == ["x"] and again[0].array is first[0].array
     assert resolve(obj, again[0].steps) is first[0].array

@@ -42,8 +42,10 @@ MIN_WATCHED_MODELS = 100
 def _suite_path() -> Path:
     if SUITE.is_file():
         return SUITE
-    message = (f"mlx-lm {MLX_LM_VERSION} source distribution not found at {SUITE}: "
-               f"run `make sdist` (MLX_LM_SDIST={SDIST})")
+    message = (
+        f"mlx-lm {MLX_LM_VERSION} source distribution not found at {SUITE}: "
+        f"run `make sdist` (MLX_LM_SDIST={SDIST})"
+    )
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(message)
     print(f"\nSKIPPING mlx-lm suite comparison: {message}", file=sys.stderr)
@@ -67,17 +69,29 @@ class _Run:
             HF_HUB_OFFLINE="1",
         )
         command = [
-            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-            "-p", "mlx_lm_suite_plugin", "-c", str(ini), "--rootdir", str(suite.parent),
-            "--confcutdir", str(suite.parent),  # no conftest.py of this project above the sdist
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "mlx_lm_suite_plugin",
+            "-c",
+            str(ini),
+            "--rootdir",
+            str(suite.parent),
+            "--confcutdir",
+            str(suite.parent),  # no conftest.py of this project above the sdist
             str(suite),
         ]
         self.log = open(self.log_path, "w")
         self.started = time.monotonic()
         # cwd is a scratch folder: `python -m pytest` puts cwd on sys.path, and the sdist's
         # root holds an `mlx_lm` source tree that must not shadow the installed package.
-        self.process = subprocess.Popen(command, cwd=workdir, env=env,
-                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            command, cwd=workdir, env=env, stdout=self.log, stderr=subprocess.STDOUT
+        )
         self.peak_rss = 0
         self.killed_for_memory = False
         self.seconds = None
@@ -111,7 +125,8 @@ class _Run:
             self.log.close()
         assert not self.killed_for_memory, (
             f"{self.name} run of mlx-lm's suite went over {MAX_RSS_BYTES / 2**30:.0f} GiB resident "
-            f"(something evaluated the lazily built full-size models)")
+            f"(something evaluated the lazily built full-size models)"
+        )
         assert self.report_path.is_file(), f"{self.name} run wrote no report:\n{self.tail()}"
         return json.loads(self.report_path.read_text())
 
@@ -155,7 +170,8 @@ def test_mlx_lm_model_suite_same_results_when_watched(suite_runs):
         f"watched: {watched_run.seconds:.1f} s ({watched['cpu_seconds']:.1f} s CPU), peak RSS {watched_run.peak_rss / 2**20:.0f} MiB "
         f"(ru_maxrss {watched['max_rss_kb'] / 1024:.0f} MiB); "
         f"{watched['watched_models']} models watched, {watched['observed_steps']} steps observed, "
-        f"{watched['walks']} walks, {watched['materialized_arrays']} arrays materialized")
+        f"{watched['walks']} walks, {watched['materialized_arrays']} arrays materialized"
+    )
     print("\nmlx-lm suite:", summary)
 
     import mlx_lm
@@ -173,8 +189,11 @@ def test_mlx_lm_model_suite_same_results_when_watched(suite_runs):
     # Exactly the same outcome for every test and subtest id.
     assert set(watched["outcomes"]) == set(plain["outcomes"]), (
         f"only plain: {sorted(set(plain['outcomes']) - set(watched['outcomes']))}; "
-        f"only watched: {sorted(set(watched['outcomes']) - set(plain['outcomes']))}")
-    changed = {test: (plain["outcomes"][test], outcome)
-               for test, outcome in watched["outcomes"].items()
-               if plain["outcomes"][test] != outcome}
+        f"only watched: {sorted(set(watched['outcomes']) - set(plain['outcomes']))}"
+    )
+    changed = {
+        test: (plain["outcomes"][test], outcome)
+        for test, outcome in watched["outcomes"].items()
+        if plain["outcomes"][test] != outcome
+    }
     assert not changed, f"outcomes changed by watching (plain, watched): {changed}\n{watched_run.tail()}"

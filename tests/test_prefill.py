@@ -8,16 +8,16 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_watchdog import ResourceLimitForecast, Watchdog
 from mlx_watchdog.attach.model import unwatch_model, watch_model, watched_state
-from mlx_watchdog.core.graph import graph_size, is_evaluated
-from mlx_watchdog.core.arrays import find_arrays
 from mlx_watchdog.attach.prefill import PrefillGuard, install, installed_guard, safe_prefill_report
 from mlx_watchdog.attach.server import ServerPrefillAdapter, adapt_server_prefill
+from mlx_watchdog.core.arrays import find_arrays
 from mlx_watchdog.core.chunks import UNBOUNDED_TOKENS, LineFit, fit_line, largest_safe_chunk, measure_chunk
+from mlx_watchdog.core.graph import graph_size, is_evaluated
 from mlx_watchdog.tiny import build_model
-from mlx_lm.models.cache import make_prompt_cache
 
 LENGTHS = (16, 32, 64, 128)
 # dense, hybrid (linear attention every 3 of 4 layers), MoE with 32 experts; all float32
@@ -69,8 +69,11 @@ def fitted_total(measurements) -> tuple[float, float]:
 def limit_for(model, target_tokens: int, safety: float = 0.5) -> int:
     """A limit whose safe chunk is about ``target_tokens`` (from an unevaluated dry run)."""
     report = safe_prefill_report(model, lengths=LENGTHS)
-    predicted = (report["nodes_intercept"] + report["buffers_intercept"]
-                 + target_tokens * (report["nodes_per_token"] + report["buffers_per_token"]))
+    predicted = (
+        report["nodes_intercept"]
+        + report["buffers_intercept"]
+        + target_tokens * (report["nodes_per_token"] + report["buffers_per_token"])
+    )
     return int((report["resident_buffers"] + predicted) / safety)
 
 
@@ -96,7 +99,9 @@ def test_fit_line_exact_proportional_and_falling():
             fit_line(bad)
 
 
-@pytest.mark.parametrize("intercept,slope,budget", [(100, 3.5, 1000), (0, 1, 7), (50, 0, 49), (50, 0, 50), (10, 2, 5)])
+@pytest.mark.parametrize(
+    "intercept,slope,budget", [(100, 3.5, 1000), (0, 1, 7), (50, 0, 49), (50, 0, 50), (10, 2, 5)]
+)
 def test_largest_safe_chunk_is_the_last_size_under_the_budget(intercept, slope, budget):
     nodes = LineFit(intercept * 0.8, slope * 0.9, 1.0, 2)
     buffers = LineFit(intercept * 0.2, slope * 0.1, 1.0, 2)
@@ -118,10 +123,15 @@ def test_graph_size_is_linear_in_chunk_length(model):
     # The report walks the same graph as a direct walk of one chunk's output and cache.
     cache = make_prompt_cache(model)
     out = model(tokens(64), cache=cache)
-    assert graph_size([out] + [a for _, a in find_arrays(cache)]) == (points[2]["nodes"], points[2]["buffers"])
+    assert graph_size([out] + [a for _, a in find_arrays(cache)]) == (
+        points[2]["nodes"],
+        points[2]["buffers"],
+    )
     nodes = np.array([p["nodes"] for p in points], dtype=float)
-    print(f"{model.model_type}: {report['nodes_per_token']:.2f} nodes/token, intercept "
-          f"{report['nodes_intercept']:.0f}, r2 {report['nodes_r2']:.5f}, nodes {nodes.astype(int).tolist()}")
+    print(
+        f"{model.model_type}: {report['nodes_per_token']:.2f} nodes/token, intercept "
+        f"{report['nodes_intercept']:.0f}, r2 {report['nodes_r2']:.5f}, nodes {nodes.astype(int).tolist()}"
+    )
     fit = report["nodes_intercept"] + report["nodes_per_token"] * np.array(LENGTHS)
     assert np.max(np.abs(fit - nodes) / nodes) < 0.05  # every point on the line
     if model.model_type == "qwen3_next":
@@ -145,8 +155,7 @@ def test_report_evaluates_nothing_and_skips_what_cannot_fit(hybrid):
     assert report["skipped_lengths"] == []
     small = report["measurements"][1]["nodes"] + report["measurements"][1]["buffers"]
     # A limit that fits the 32-token graph but not a 1024-token one: that one is never built.
-    tight = safe_prefill_report(hybrid, limit=report["resident_buffers"] + 2 * small,
-                                lengths=(16, 32, 1024))
+    tight = safe_prefill_report(hybrid, limit=report["resident_buffers"] + 2 * small, lengths=(16, 32, 1024))
     assert tight["skipped_lengths"] == [1024]
     assert [m["tokens"] for m in tight["measurements"]] == [16, 32]
     assert tight["max_safe_prefill_tokens"] < 32  # half the limit cannot hold the 32-token chunk
@@ -188,8 +197,10 @@ def test_flat_graph_is_safe_at_any_size_or_none(flat_model):
     model = flat_model
     report = safe_prefill_report(model, lengths=LENGTHS)
     chunk = max(m["nodes"] + m["buffers"] for m in report["measurements"])
-    for limit, expected in ((2 * (report["resident_buffers"] + chunk) + 1000, UNBOUNDED_TOKENS),
-                            (2 * report["resident_buffers"] + chunk, 0)):
+    for limit, expected in (
+        (2 * (report["resident_buffers"] + chunk) + 1000, UNBOUNDED_TOKENS),
+        (2 * report["resident_buffers"] + chunk, 0),
+    ):
         wd = Watchdog(limit=limit, export=False)
         guard = install(wd, model)
         cache = make_prompt_cache(model)

@@ -14,19 +14,17 @@ import subprocess
 import sys
 import textwrap
 
+import exact_buffers
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
+from support import missing
 
-import exact_buffers
-from mlx_watchdog import Watchdog
-from mlx_watchdog.core import graph
-from mlx_watchdog.core import sampling
+from mlx_watchdog import Watchdog, watch
 from mlx_watchdog.attach.model import unwatch_model, watch_model
-from mlx_watchdog import watch
+from mlx_watchdog.core import graph, sampling
 from mlx_watchdog.exporters.prometheus import WatchdogCollector
 from mlx_watchdog.tiny import build_model, tiny_prompts
-from support import missing
 
 LEAK = 8  # 12 layers, full attention every 4th: 9 linear-attention layers leak 8 buffers a step
 
@@ -63,6 +61,7 @@ def true_slope(points):
 
 # --------------------------------------------------------------------------- never blind
 
+
 def test_short_batched_decodes_under_load_read_the_leak_within_64_steps(counter, hybrid):
     for run in range(3):
         wd = Watchdog(limit=200_000, export=False)  # defaults
@@ -98,6 +97,7 @@ def test_diagnose_with_defaults_under_load_finds_the_leak(tmp_path):
 
 # --------------------------------------------------------------------------- the process, not one decode
 
+
 def read_a_busy_batch(counter, wd, load: bool):
     """Continuous batching: a request joins as another finishes, the batch never empties, the
     left_padding chains outlive every request (as in a busy mlx_lm.server). Returns, at each
@@ -120,7 +120,9 @@ def read_a_busy_batch(counter, wd, load: bool):
                 f = wd.forecast()
                 true = counter.live(collect=True) - baseline
                 rows.append((f.step, f.resident_buffers, true, f.rate_known, f.buffers_per_step, f.sampled))
-                gen.insert(prompts[joined:joined + finished], max_tokens=lengths[joined:joined + finished])
+                gen.insert(
+                    prompts[joined : joined + finished], max_tokens=lengths[joined : joined + finished]
+                )
                 joined += finished
     gen.close()
     unwatch_model(hybrid)
@@ -130,7 +132,7 @@ def read_a_busy_batch(counter, wd, load: bool):
 def assert_read_across_requests(rows):
     assert len(rows) >= 5
     table = "\n".join(map(str, rows))
-    for step, resident, true, known, rate, _ in rows:
+    for _step, resident, true, known, rate, _ in rows:
         # Read at a step's entry, while the last step is in flight, against a count taken after
         # mx.synchronize(); and BatchGenerator keeps arrays outside the cache: measured 40-65 here.
         assert abs(true - resident) <= max(0.05 * true, 80), table
@@ -175,6 +177,7 @@ def test_two_decodes_at_once_are_read_together():
 
 # --------------------------------------------------------------------------- bounded stall, no crash
 
+
 class Chain:
     """A cache attribute rebound each step to a lazy ``x - 1``: one more node, one more buffer."""
 
@@ -215,7 +218,7 @@ def test_470k_nodes_in_47_chains_are_read_by_sample_within_5_percent(monkeypatch
     monkeypatch.setattr(sampling, "account", recording_account)
     chains = [Chain() for _ in range(47)]
     wd = Watchdog(limit=10**6, export=False)
-    for step in range(10_000):
+    for _step in range(10_000):
         wd.observe(chains)
         clock.now += 0.01
         for c in chains:
@@ -255,13 +258,18 @@ DEEP = textwrap.dedent("""
 
 @pytest.mark.parametrize("depth", [300_000, 499_000])
 def test_a_chain_as_deep_as_the_limit_is_read_without_a_crash(depth):
-    result = subprocess.run([sys.executable, "-c", DEEP, str(depth)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", DEEP, str(depth)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]  # was -11 (SIGSEGV) from ~66k nodes
     # The stranded scalars, plus the chain's first array (evaluated) and the cache array itself.
-    assert f"resident {depth + 1} nodes {depth} errors 0" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert f"resident {depth + 1} nodes {depth} errors 0" in result.stdout, (
+        result.stdout + result.stderr[-2000:]
+    )
 
 
 # --------------------------------------------------------------------------- idle is idle
+
 
 def exported(wd) -> dict:
     values = {}
@@ -276,7 +284,9 @@ def test_after_a_generation_nothing_is_forecast_to_grow():
 
     @watch(limit=200_000, export=False)
     def generate(model, tokenizer, prompt, prompt_cache=None, max_tokens=20):
-        for _, (token, _) in zip(range(max_tokens), generate_step(mx.array(prompt), model, prompt_cache=prompt_cache)):
+        for _, (_token, _) in zip(
+            range(max_tokens), generate_step(mx.array(prompt), model, prompt_cache=prompt_cache)
+        ):
             pass
 
     class Leaky:  # a model whose cache leaks one buffer a token
@@ -303,11 +313,15 @@ def test_after_a_generation_nothing_is_forecast_to_grow():
     assert values[("mlx_watchdog_decoding", None)] == 0
     assert math.isinf(values[("mlx_watchdog_time_to_limit_seconds", None)])
     assert math.isinf(values[("mlx_watchdog_steps_to_limit", None)])
-    held = graph.account([a for c in cache for a in (c.keys, c.values, getattr(c, "tokens_seen", None))
-                          if a is not None])
+    held = graph.account(
+        [a for c in cache for a in (c.keys, c.values, getattr(c, "tokens_seen", None)) if a is not None]
+    )
     # Still held, still shown: read once more as the generation ended (the parameters, the cache).
-    assert values[("mlx_watchdog_resident_buffers", None)] == f.resident_buffers \
+    assert (
+        values[("mlx_watchdog_resident_buffers", None)]
+        == f.resident_buffers
         == f.parameter_buffers + held.evaluated_arrays + held.retained_buffers
+    )
     assert all(v == 0 for (name, _), v in values.items() if name == "mlx_watchdog_leak_buffers_per_step")
 
 
@@ -345,6 +359,7 @@ def test_a_pause_in_the_steps_reads_idle_and_the_next_steps_are_measured_afresh(
 
 # --------------------------------------------------------------------------- fix mode
 
+
 def test_fix_mode_reports_the_post_fix_rate_from_the_first_fix_on():
     cache = Chain()
     wd = Watchdog(limit=10**6, export=False, fix=True, fix_every=4)
@@ -365,6 +380,7 @@ def test_fix_mode_reports_the_post_fix_rate_from_the_first_fix_on():
 
 
 # --------------------------------------------------------------------------- keeps nothing alive
+
 
 def test_a_watched_decode_leaves_no_more_buffers_alive_than_an_unwatched_one(counter, hybrid):
     # The walk runs on a thread of the watchdog's: a walk kept in its frame until the next one

@@ -38,8 +38,11 @@ def joiner(depth: int) -> mx.array:
     return x
 
 
-events = st.lists(st.tuples(st.integers(1, 12), st.sampled_from(["step", "leave", "join"]), st.integers(0, 30)),
-                  min_size=10, max_size=40)
+events = st.lists(
+    st.tuples(st.integers(1, 12), st.sampled_from(["step", "leave", "join"]), st.integers(0, 30)),
+    min_size=10,
+    max_size=40,
+)
 
 
 @settings(max_examples=30, deadline=None)
@@ -72,14 +75,19 @@ def test_samples_follow_chains_that_change_together(layers, still, events):
             high = layers * shared  # each shared index array, once per array walked alone
             if still:  # until two walks have seen it not grow, the evaluated layer is read as growing
                 high += max(exact.retained_by_array)
-            assert -(0.05 * exact.retained_buffers + 2) <= err <= 0.05 * exact.retained_buffers + 2 + high, \
-                (readings, reading.retained, exact.retained_by_array)
+            assert -(0.05 * exact.retained_buffers + 2) <= err <= 0.05 * exact.retained_buffers + 2 + high, (
+                readings,
+                reading.retained,
+                exact.retained_by_array,
+            )
     assert sampled >= len(events) - 3  # the first readings walk arrays never walked
 
 
 @settings(max_examples=40, deadline=None)
-@given(states=st.lists(st.sampled_from(["evaluated", "pending", "scheduled"]), min_size=1, max_size=10),
-       depth=st.integers(1, 12))
+@given(
+    states=st.lists(st.sampled_from(["evaluated", "pending", "scheduled"]), min_size=1, max_size=10),
+    depth=st.integers(1, 12),
+)
 def test_a_first_reading_is_the_walk_of_everything(states, depth):
     # Arrays evaluated, pending, or scheduled by mx.async_eval (their graph already cut, their
     # buffer given; the device may not have run them yet).
@@ -103,7 +111,9 @@ def test_a_reading_with_nothing_pending_exports_no_graph(monkeypatch):
 
     exports = []
     real = sampling.account
-    monkeypatch.setattr(sampling, "account", lambda arrays, **kw: exports.append(len(arrays)) or real(arrays, **kw))
+    monkeypatch.setattr(
+        sampling, "account", lambda arrays, **kw: exports.append(len(arrays)) or real(arrays, **kw)
+    )
     caches = [Layer(batch=2) for _ in range(4)]
     sampler = Sampler()
     reading = sampler.read(scan(caches).found, 1, [0])
@@ -112,4 +122,6 @@ def test_a_reading_with_nothing_pending_exports_no_graph(monkeypatch):
         layer.left_padding = layer.left_padding - 1
     found = scan(caches).found
     reading = sampler.read(found, 2, [0])
-    assert exports and reading.retained_buffers == graph.account([f.array for f in found]).retained_buffers > 0
+    assert (
+        exports and reading.retained_buffers == graph.account([f.array for f in found]).retained_buffers > 0
+    )

@@ -13,8 +13,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mlx_watchdog.commands import main as cli
-from mlx_watchdog.tiny import families
 from mlx_watchdog.commands import scan
+from mlx_watchdog.tiny import families
 
 ADVANCE = re.compile(r"^mlx_lm/models/cache\.py:\d+ ArraysCache\.advance$")
 OFFSET = re.compile(r"^mlx_lm/models/cache\.py:\d+ BatchKVCache\.update_and_fetch$")
@@ -35,9 +35,30 @@ def report(tmp_path_factory):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "mlx_watchdog", "scan", "qwen3_next", "llama",
-                          "no_such_family", "--layers", "8", "--steps", "48", "--paths", "plain,batched",
-                          "--jobs", "2", "--json", "--fail-on-leak"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_watchdog",
+            "scan",
+            "qwen3_next",
+            "llama",
+            "no_such_family",
+            "--layers",
+            "8",
+            "--steps",
+            "48",
+            "--paths",
+            "plain,batched",
+            "--jobs",
+            "2",
+            "--json",
+            "--fail-on-leak",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return out.returncode, json.loads(out.stdout), out.stderr
 
 
@@ -54,7 +75,9 @@ def test_a_leaking_family_is_found_at_its_rate_and_line(report):
     assert top["site"] == "ArraysCache.left_padding" and ADVANCE.match(top["source"]), top
     fix = batched["fix"]
     assert fix["cures"] and fix["tokens_identical"] and fix["buffers_per_step"] < scan.LEAK_MIN_GROWTH
-    assert batched["limit_step"] == pytest.approx((scan.LIMIT - batched["resident_buffers"]) / leaking + 48, rel=0.01)
+    assert batched["limit_step"] == pytest.approx(
+        (scan.LIMIT - batched["resident_buffers"]) / leaking + 48, rel=0.01
+    )
     assert not _run(qwen, "plain")["leak"]  # generate_step does not leak
 
 
@@ -65,9 +88,17 @@ def test_a_leak_free_family_is_clean_and_a_missing_one_is_listed(report):
     for run in llama["runs"]:
         assert not run["leak"] and run["leaks"] == [] and run["limit_step"] is None and run["fix"] is None
     missing = next(f for f in doc["families"] if f["family"] == "no_such_family")
-    assert missing["status"] == "build_error" and "No module named 'mlx_lm.models.no_such_family'" in missing["error"]
-    assert doc["summary"] == {"families": 3, "built": 2, "leaking": ["qwen3_next"], "failed": ["no_such_family"],
-                              "path_errors": []}
+    assert (
+        missing["status"] == "build_error"
+        and "No module named 'mlx_lm.models.no_such_family'" in missing["error"]
+    )
+    assert doc["summary"] == {
+        "families": 3,
+        "built": 2,
+        "leaking": ["qwen3_next"],
+        "failed": ["no_such_family"],
+        "path_errors": [],
+    }
     assert "no_such_family" in scan.markdown(doc)  # listed, never hidden
 
 
@@ -78,15 +109,19 @@ def test_an_attention_layer_without_rope_leaks_its_offset():
     caches = model.make_cache()
     assert pattern.count("*") == sum(isinstance(c, KVCache) for c in caches) == 1
     run = scan.scan_path(model, "batched", steps=48)
-    sites = {l["site"]: l for l in run["leaks"]}
+    sites = {leak["site"]: leak for leak in run["leaks"]}
     assert sites["BatchKVCache.offset"]["buffers_per_step"] == pytest.approx(pattern.count("*"), abs=0.05)
     assert OFFSET.match(sites["BatchKVCache.offset"]["source"]), sites
-    assert sites["ArraysCache.left_padding"]["buffers_per_step"] == pytest.approx(pattern.count("M") - 1, abs=0.05)
+    assert sites["ArraysCache.left_padding"]["buffers_per_step"] == pytest.approx(
+        pattern.count("M") - 1, abs=0.05
+    )
     assert run["fix"]["cures"]
 
 
 def test_without_a_leak_the_exit_status_is_0_and_a_slow_family_is_stopped(capsys):
-    status, doc = _scan(capsys, "llama", "--layers", "2", "--steps", "8", "--paths", "plain", "--fail-on-leak")
+    status, doc = _scan(
+        capsys, "llama", "--layers", "2", "--steps", "8", "--paths", "plain", "--fail-on-leak"
+    )
     assert status == cli.EXIT_OK and doc["summary"]["leaking"] == []
     status, doc = _scan(capsys, "llama", "--steps", "8", "--timeout", "0.5", "--fail-on-error")
     assert status == cli.EXIT_LEAK
@@ -117,7 +152,7 @@ def test_a_batch_that_shrinks_in_place_reads_flat_as_the_exact_count():
     watch_model(model, wd)
     readings = []
     try:
-        for step, new in enumerate(scan._steps(model, "join", prompts, steps), 1):
+        for step, _new in enumerate(scan._steps(model, "join", prompts, steps), 1):
             if step == scan.join_step(steps) + scan.JOIN_SETTLE:
                 wd.reset()
             if step > steps + 3:  # only the joined request is left: the batch was filtered

@@ -11,17 +11,24 @@ from hypothesis import strategies as st
 
 from mlx_watchdog.core.schedule import Schedule
 
-events = st.lists(st.tuples(
-    st.sampled_from(["step"] * 12 + ["epoch", "join", "spend"]),
-    st.floats(min_value=0.0, max_value=0.2),  # a step's seconds, or the budget spent
-    st.floats(min_value=1e-6, max_value=0.01),  # the cost of a walk made at this step
-    st.floats(min_value=0.0, max_value=1.0),  # its CPU share
-), min_size=1, max_size=400)
+events = st.lists(
+    st.tuples(
+        st.sampled_from(["step"] * 12 + ["epoch", "join", "spend"]),
+        st.floats(min_value=0.0, max_value=0.2),  # a step's seconds, or the budget spent
+        st.floats(min_value=1e-6, max_value=0.01),  # the cost of a walk made at this step
+        st.floats(min_value=0.0, max_value=1.0),  # its CPU share
+    ),
+    min_size=1,
+    max_size=400,
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(events=events, budget=st.sampled_from([0.0, 0.001, 0.01, 1.0]),
-       interval=st.sampled_from([None, 0.0, 0.05, 2.0]))
+@given(
+    events=events,
+    budget=st.sampled_from([0.0, 0.001, 0.01, 1.0]),
+    interval=st.sampled_from([None, 0.0, 0.05, 2.0]),
+)
 def test_the_marks_never_hide_a_due_walk(events, budget, interval):
     schedule = Schedule(budget, interval)
     step = 0
@@ -35,7 +42,13 @@ def test_the_marks_never_hide_a_due_walk(events, budget, interval):
             schedule.spent += seconds
         woken = step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode
         due = schedule.due(step)
-        assert woken or not due, (kind, step, schedule.wake_step, schedule.decode_seconds, schedule.wake_decode)
+        assert woken or not due, (
+            kind,
+            step,
+            schedule.wake_step,
+            schedule.decode_seconds,
+            schedule.wake_decode,
+        )
         if due:
             schedule.walked(step, cost, cost * cpu_share)
             schedule.spent += cost

@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from mlx_watchdog import tiny
 from mlx_watchdog.attach import server as server_hooks
 from mlx_watchdog.commands import serve
-from mlx_watchdog.core.watchdog import ResourceLimitForecast, live_watchdogs
 from mlx_watchdog.core.forecast import Forecast
+from mlx_watchdog.core.watchdog import ResourceLimitForecast, live_watchdogs
 
 LAYERS = 8
 NO_EOS = {str(tiny.EOS_ID): -100}  # a random model may say EOS anywhere: keep completions long
@@ -41,6 +41,7 @@ STARTUP_SECONDS = 120
 
 
 # --------------------------------------------------------------------------- helpers
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -60,7 +61,9 @@ def _wait_healthy(url: str, process, log) -> None:
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            pytest.fail(f"server exited with {process.returncode} before it was up:\n{log.read_text()[-4000:]}")
+            pytest.fail(
+                f"server exited with {process.returncode} before it was up:\n{log.read_text()[-4000:]}"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
@@ -96,9 +99,23 @@ class Served:
         self.log = workdir / f"serve-{self.port}.log"
         # cli: the user's command, `mlx-watchdog serve` (its module, so no console script is needed)
         entry = ["mlx_watchdog", "serve"] if cli else ["mlx_watchdog.commands.serve"]
-        command = [sys.executable, "-m", *entry, "--metrics-port", str(self.metrics_port),
-                   *watchdog_args, "--", "--model", str(model_dir), "--port", str(self.port),
-                   "--host", "127.0.0.1", "--prompt-cache-size", "2"]
+        command = [
+            sys.executable,
+            "-m",
+            *entry,
+            "--metrics-port",
+            str(self.metrics_port),
+            *watchdog_args,
+            "--",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--prompt-cache-size",
+            "2",
+        ]
         self._launch(command, workdir)
         _wait_healthy(self.base + "/health", self.process, self.log)
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -108,15 +125,18 @@ class Served:
         # PYTHONFAULTHANDLER: a server that does not stop is sent SIGABRT, which prints every thread's stack
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **env)
         with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=workdir
+            )
         self.base = f"http://127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def stream(self, prompt: str, max_tokens: int) -> dict:
         """Stream a text completion; returns its text, chunk count and last finish_reason."""
         text, chunks, finish = "", 0, None
-        stream = self.client.completions.create(model="default_model", prompt=prompt, max_tokens=max_tokens,
-                                                stream=True, logit_bias=NO_EOS)
+        stream = self.client.completions.create(
+            model="default_model", prompt=prompt, max_tokens=max_tokens, stream=True, logit_bias=NO_EOS
+        )
         for chunk in stream:
             chunks += 1
             choice = chunk.choices[0]
@@ -152,7 +172,9 @@ class Served:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    return tiny.save_model_dir(tmp_path_factory.mktemp("model") / "tiny-qwen3-next", "qwen3_next", layers=LAYERS)
+    return tiny.save_model_dir(
+        tmp_path_factory.mktemp("model") / "tiny-qwen3-next", "qwen3_next", layers=LAYERS
+    )
 
 
 @pytest.fixture
@@ -184,8 +206,9 @@ def test_leak_counted_without_fix_and_flat_with_fix(start_server, model_dir):
     m = plain.metrics()
     assert metric(m, "mlx_watchdog_steps_total", watchdog="tiny-qwen3-next") >= LONG
     assert metric(m, "mlx_watchdog_buffers_per_step") == pytest.approx(expected, abs=0.5)
-    assert metric(m, "mlx_watchdog_leak_buffers_per_step",
-                  site="ArraysCache.left_padding") == pytest.approx(expected, abs=0.5)
+    assert metric(m, "mlx_watchdog_leak_buffers_per_step", site="ArraysCache.left_padding") == pytest.approx(
+        expected, abs=0.5
+    )
     assert metric(m, "mlx_watchdog_steps_to_limit") < float("inf")
     assert metric(m, "mlx_watchdog_info", fix="false") == 1
     assert metric(m, "mlx_watchdog_stops_total", reason="forecast") == 0
@@ -203,8 +226,9 @@ def test_leak_counted_without_fix_and_flat_with_fix(start_server, model_dir):
     assert metric(m, "mlx_watchdog_reclaimed_buffers_total") > 0
     assert metric(m, "mlx_watchdog_info", fix="true") == 1
     # The leak is named as one the fix cuts, not as a leak nothing repairs (the alert's metric).
-    assert metric(m, "mlx_watchdog_fixed_leak_buffers_per_step",
-                  site="ArraysCache.left_padding") == pytest.approx(expected, abs=0.5)
+    assert metric(
+        m, "mlx_watchdog_fixed_leak_buffers_per_step", site="ArraysCache.left_padding"
+    ) == pytest.approx(expected, abs=0.5)
     assert not [k for k in m if k[0] == "mlx_watchdog_leak_buffers_per_step"]
     # After the request its caches are gone, with the chains they held, fixed or not: both read
     # the parameters alone again (a frozen reading of the finished request was the old behaviour).
@@ -215,7 +239,10 @@ def test_stop_ends_the_requests_and_the_server_goes_on(start_server):
     # ~130 parameter buffers + 5 per step: the forecast reaches 1200 - 5 * 50 after ~160 steps.
     served = start_server("--limit", "1200", "--stop-within", "50", *BUDGET, cli=True)
     stopped = served.stream(PROMPT, 600)
-    assert stopped["finish_reason"] == server_hooks.STOP_FINISH_REASON, (stopped["chunks"], served.output()[-2000:])
+    assert stopped["finish_reason"] == server_hooks.STOP_FINISH_REASON, (
+        stopped["chunks"],
+        served.output()[-2000:],
+    )
     assert 0 < stopped["chunks"] < 600 and stopped["text"]
 
     m = served.metrics()
@@ -226,11 +253,13 @@ def test_stop_ends_the_requests_and_the_server_goes_on(start_server):
     # A later request is served in full, streamed and not streamed, on a fresh batch.
     later = served.stream(PROMPT, 16)
     assert later["finish_reason"] == "length" and later["text"], later
-    whole = served.client.completions.create(model="default_model", prompt="again", max_tokens=8,
-                                             logit_bias=NO_EOS)
+    whole = served.client.completions.create(
+        model="default_model", prompt="again", max_tokens=8, logit_bias=NO_EOS
+    )
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
-    chat = served.client.chat.completions.create(model="default_model", max_tokens=8,
-                                                 messages=[{"role": "user", "content": "hi"}])
+    chat = served.client.chat.completions.create(
+        model="default_model", max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+    )
     assert chat.choices[0].finish_reason in ("length", "stop")
     assert "generation thread died" not in served.output()
     assert served.stop() == 0, served.output()[-3000:]
@@ -241,13 +270,15 @@ def test_stop_on_the_unbatched_path(start_server):
     # the parameters' buffers makes its first forward pass stop.
     served = start_server("--limit", "10", "--stop-within", "0")
     for _ in range(2):
-        stream = served.client.completions.create(model="default_model", prompt=PROMPT, max_tokens=32,
-                                                  stream=True, seed=1)
+        stream = served.client.completions.create(
+            model="default_model", prompt=PROMPT, max_tokens=32, stream=True, seed=1
+        )
         finish = [c.choices[0].finish_reason for c in stream if c.choices[0].finish_reason]
         assert finish == [server_hooks.STOP_FINISH_REASON]
-        whole = served.client.completions.create(model="default_model", prompt=PROMPT, max_tokens=32,
-                                                 seed=1)
-        assert whole.choices[0].finish_reason == server_hooks.STOP_FINISH_REASON and whole.choices[0].text == ""
+        whole = served.client.completions.create(model="default_model", prompt=PROMPT, max_tokens=32, seed=1)
+        assert (
+            whole.choices[0].finish_reason == server_hooks.STOP_FINISH_REASON and whole.choices[0].text == ""
+        )
         assert served.healthy()
     assert metric(served.metrics(), "mlx_watchdog_stops_total", reason="forecast") >= 4
 
@@ -265,17 +296,60 @@ def test_shutdown_after_requests_exits_cleanly(start_server):
 
 # --------------------------------------------------------------------------- arguments
 
+
 def test_split_and_parse():
     args, server_argv = serve.parse_args(
-        ["--fix", "--fix-every", "3", "--limit", "4000", "--warn-within", "500", "--stop-within", "100",
-         "--metrics-port", "0", "--metrics-addr", "::1", "--adapt-prefill", "--overhead-budget", "0.5",
-         "--walk-interval", "2", "--", "--model", "m", "--port", "8", "--", "x"])
+        [
+            "--fix",
+            "--fix-every",
+            "3",
+            "--limit",
+            "4000",
+            "--warn-within",
+            "500",
+            "--stop-within",
+            "100",
+            "--metrics-port",
+            "0",
+            "--metrics-addr",
+            "::1",
+            "--adapt-prefill",
+            "--overhead-budget",
+            "0.5",
+            "--walk-interval",
+            "2",
+            "--",
+            "--model",
+            "m",
+            "--port",
+            "8",
+            "--",
+            "x",
+        ]
+    )
     assert server_argv == ["--model", "m", "--port", "8", "--", "x"]
-    assert (args.fix, args.fix_every, args.limit, args.warn_within, args.stop_within) == (True, 3, 4000, 500.0, 100.0)
-    assert (args.metrics_port, args.metrics_addr, args.no_metrics, args.adapt_prefill) == (0, "::1", False, True)
-    assert serve.watchdog_options(args) == {"limit": 4000, "fix": True, "fix_every": 3,
-                                            "warn_within": 500.0, "stop_within": 100.0, "overhead_budget": 0.5,
-                                            "walk_interval": 2.0}
+    assert (args.fix, args.fix_every, args.limit, args.warn_within, args.stop_within) == (
+        True,
+        3,
+        4000,
+        500.0,
+        100.0,
+    )
+    assert (args.metrics_port, args.metrics_addr, args.no_metrics, args.adapt_prefill) == (
+        0,
+        "::1",
+        False,
+        True,
+    )
+    assert serve.watchdog_options(args) == {
+        "limit": 4000,
+        "fix": True,
+        "fix_every": 3,
+        "warn_within": 500.0,
+        "stop_within": 100.0,
+        "overhead_budget": 0.5,
+        "walk_interval": 2.0,
+    }
 
     args, server_argv = serve.parse_args(["--no-fix", "--no-metrics"])
     assert server_argv == [] and args.fix is False and args.no_metrics is True
@@ -286,17 +360,20 @@ def test_split_and_parse():
     assert defaults.walk_interval is None  # auto
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["--limit", "0"], "--limit"),
-    (["--limit", "lots"], "--limit"),
-    (["--fix-every", "-2"], "--fix-every"),
-    (["--stop-within", "-1"], "--stop-within"),
-    (["--warn-within", "nan"], "--warn-within"),
-    (["--metrics-port", "70000"], "--metrics-port"),
-    (["--overhead-budget", "0"], "--overhead-budget"),
-    (["--walk-interval", "-1"], "--walk-interval"),
-    (["--model", "m"], "after `--`"),
-])
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--limit", "0"], "--limit"),
+        (["--limit", "lots"], "--limit"),
+        (["--fix-every", "-2"], "--fix-every"),
+        (["--stop-within", "-1"], "--stop-within"),
+        (["--warn-within", "nan"], "--warn-within"),
+        (["--metrics-port", "70000"], "--metrics-port"),
+        (["--overhead-budget", "0"], "--overhead-budget"),
+        (["--walk-interval", "-1"], "--walk-interval"),
+        (["--model", "m"], "after `--`"),
+    ],
+)
 def test_bad_arguments_name_the_option(argv, option, capsys):
     with pytest.raises(SystemExit) as exit_info:
         serve.parse_args(argv)
@@ -307,8 +384,14 @@ def test_bad_arguments_name_the_option(argv, option, capsys):
 
 def test_bad_namespace_values_raise_value_error():
     good = vars(serve.parse_args([])[0])
-    for option, value in (("limit", -5), ("fix_every", 0), ("stop_within", -1.0), ("metrics_port", 99999),
-                          ("overhead_budget", 2.0), ("walk_interval", float("inf"))):
+    for option, value in (
+        ("limit", -5),
+        ("fix_every", 0),
+        ("stop_within", -1.0),
+        ("metrics_port", 99999),
+        ("overhead_budget", 2.0),
+        ("walk_interval", float("inf")),
+    ):
         args = argparse.Namespace(**dict(good, **{option: value}))
         with pytest.raises(ValueError, match="--" + option.replace("_", "-")):
             serve.watchdog_options(args)
@@ -331,8 +414,9 @@ def test_main_checks_the_server_arguments_before_it_starts(capsys, tmp_path):
     before = _hooked()
     missing = tmp_path / "gone"
     assert serve.main(["--no-metrics", "--", "--model", str(missing), "--draft-model", "x"]) == 2
-    assert capsys.readouterr().err.strip() == (f"mlx-watchdog serve: error: model path does not exist: "
-                                               f"{missing} (mlx_lm.server's --model)")
+    assert capsys.readouterr().err.strip() == (
+        f"mlx-watchdog serve: error: model path does not exist: {missing} (mlx_lm.server's --model)"
+    )
     (tmp_path / "draft").mkdir()
     assert serve.main(["--no-metrics", "--", "--draft-model", str(tmp_path / "draft")]) == 2
     assert "model folder has no config.json" in capsys.readouterr().err
@@ -345,6 +429,7 @@ def test_main_checks_the_server_arguments_before_it_starts(capsys, tmp_path):
 
 
 # --------------------------------------------------------------------------- attach / detach
+
 
 def _hooked():
     import mlx_lm.server as server
@@ -389,8 +474,11 @@ def test_run_in_process_watches_and_restores(model_dir, tmp_path):
         try:
             _wait_healthy(f"http://127.0.0.1:{port}/health", None, None)
             c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-            seen["finish"] = c.completions.create(model="default_model", prompt=PROMPT,
-                                                  max_tokens=8).choices[0].finish_reason
+            seen["finish"] = (
+                c.completions.create(model="default_model", prompt=PROMPT, max_tokens=8)
+                .choices[0]
+                .finish_reason
+            )
             seen["watchdogs"] = [wd.name for wd in live_watchdogs()]
             samples = scrape(f"http://127.0.0.1:{metrics_port}/metrics")
             seen["steps"] = metric(samples, "mlx_watchdog_steps_total", watchdog="tiny-qwen3-next")
@@ -420,12 +508,14 @@ def test_adapt_prefill_sets_the_server_prefill_step(monkeypatch):
     from mlx_watchdog.core.watchdog import Watchdog
 
     calls = []
-    monkeypatch.setattr(prefill, "install", lambda wd, model, on_safe_size: calls.append((wd, model, on_safe_size)))
+    monkeypatch.setattr(
+        prefill, "install", lambda wd, model, on_safe_size: calls.append((wd, model, on_safe_size))
+    )
     hooks = server_hooks.ServerHooks({}, adapt_prefill=True)
     provider = argparse.Namespace(cli_args=argparse.Namespace(prefill_step_size=2048))
     watchdog, model = Watchdog(export=False), object()
     hooks._install_prefill(watchdog, model, provider)
-    (wd, got_model, on_safe_size), = calls
+    ((wd, got_model, on_safe_size),) = calls
     assert wd is watchdog and got_model is model
     on_safe_size(300)
     assert provider.cli_args.prefill_step_size == 300
@@ -436,6 +526,7 @@ def test_adapt_prefill_sets_the_server_prefill_step(monkeypatch):
 
 
 # --------------------------------------------------------------------------- stop bookkeeping
+
 
 class _FakeGenerator:
     def __init__(self):
@@ -459,8 +550,9 @@ def test_batch_stop_ends_started_requests_and_requeues_waiting_ones():
     channels[1].put(server.GenerationContext(False, False, None, None, "normal", [1]))
     channels[1].put(None)  # finished normally
     # channels[2] and [3] were taken but had not started (e.g. waiting to join a batch)
-    forecast = Forecast(step=9, resident_buffers=95, limit=100, buffers_per_step=5.0,
-                        steps_to_limit=1.0, seconds_to_limit=0.1)
+    forecast = Forecast(
+        step=9, resident_buffers=95, limit=100, buffers_per_step=5.0, steps_to_limit=1.0, seconds_to_limit=0.1
+    )
     hooks._after_batch_stop(generator, ResourceLimitForecast(forecast))
 
     got = [queues[0].get_nowait() for _ in range(queues[0].qsize())]
@@ -481,8 +573,14 @@ def test_a_stop_put_on_the_queue_becomes_the_final_chunk():
     queue = Queue()
     channel = server_hooks._Channel(hooks, queue, (queue, None, None))
     channel.put(server.GenerationContext(False, False, None, None, "normal", [1]))
-    forecast = Forecast(step=1, resident_buffers=200, limit=100, buffers_per_step=0.0,
-                        steps_to_limit=0.0, seconds_to_limit=0.0)
+    forecast = Forecast(
+        step=1,
+        resident_buffers=200,
+        limit=100,
+        buffers_per_step=0.0,
+        steps_to_limit=0.0,
+        seconds_to_limit=0.0,
+    )
     channel.put(ResourceLimitForecast(forecast))
     channel.put(ValueError("after the end"))  # forwarded as is: the handler stopped reading
     items = [queue.get_nowait() for _ in range(queue.qsize())]

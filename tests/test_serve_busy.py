@@ -26,13 +26,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import openai
 import pytest
-
 from support import missing
 from test_serve import LAYERS, STARTUP_SECONDS, Served, _free_port, _linear_layers, metric
 
 from mlx_watchdog import tiny
 from mlx_watchdog.attach import server as server_hooks
-from mlx_watchdog.commands import serve
 
 LAUNCHER = Path(__file__).with_name("serve_with_oracle.py")
 EXIT_NO_ORACLE = 3  # serve_with_oracle.py's status when the counter cannot be installed
@@ -51,17 +49,35 @@ REL_SLACK = 0.05
 
 # --------------------------------------------------------------------------- the harness
 
+
 class OracleServed(Served):
     """``Served`` (tests/test_serve.py), started through the oracle launcher."""
 
-    def __init__(self, model_dir: Path, workdir: Path, watchdog_args: list[str],
-                 server_args: tuple = ("--prompt-cache-size", "2")):
+    def __init__(
+        self,
+        model_dir: Path,
+        workdir: Path,
+        watchdog_args: list[str],
+        server_args: tuple = ("--prompt-cache-size", "2"),
+    ):
         self.port, self.metrics_port, self.oracle_port = _free_port(), _free_port(), _free_port()
         self.log = workdir / f"serve-{self.port}.log"
         self.oracle_log = workdir / f"oracle-{self.port}.jsonl"
-        command = [sys.executable, str(LAUNCHER), "--metrics-port", str(self.metrics_port),
-                   *watchdog_args, "--", "--model", str(model_dir), "--port", str(self.port),
-                   "--host", "127.0.0.1", *server_args]
+        command = [
+            sys.executable,
+            str(LAUNCHER),
+            "--metrics-port",
+            str(self.metrics_port),
+            *watchdog_args,
+            "--",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            *server_args,
+        ]
         self._launch(command, workdir, ORACLE_LOG=str(self.oracle_log), ORACLE_PORT=str(self.oracle_port))
         self.oracle_url = f"http://127.0.0.1:{self.oracle_port}/live"
         self._wait_up()
@@ -72,13 +88,17 @@ class OracleServed(Served):
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code == EXIT_NO_ORACLE:
-                missing(f"the exact buffer counter (tests/exact_buffers.py) cannot be installed, so "
-                        f"this test has no truth to compare with:\n{self.output()[-2000:]}")
+                missing(
+                    f"the exact buffer counter (tests/exact_buffers.py) cannot be installed, so "
+                    f"this test has no truth to compare with:\n{self.output()[-2000:]}"
+                )
             if code is not None:
                 pytest.fail(f"server exited with {code} before it was up:\n{self.output()[-4000:]}")
             try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as r1, \
-                        urllib.request.urlopen(self.oracle_url, timeout=5) as r2:
+                with (
+                    urllib.request.urlopen(self.base + "/health", timeout=2) as r1,
+                    urllib.request.urlopen(self.oracle_url, timeout=5) as r2,
+                ):
                     if r1.status == 200 and r2.status == 200:
                         return
             except OSError:
@@ -105,8 +125,10 @@ class OracleServed(Served):
             return metric(samples, name, watchdog=WATCHDOG)
 
         return {
-            "true_before": before["true"], "true_after": after["true"],
-            "steps_before": before["steps"], "steps_after": after["steps"],
+            "true_before": before["true"],
+            "true_after": after["true"],
+            "steps_before": before["steps"],
+            "steps_after": after["steps"],
             "where": f"{_where(before)}/{_where(after)}",
             "resident": get("mlx_watchdog_resident_buffers"),
             "per_step": get("mlx_watchdog_buffers_per_step"),
@@ -196,8 +218,14 @@ def test_busy_batch_readings_match_the_true_count(start_server, model_dir):
             for j in range(REQUESTS_PER_CLIENT):
                 tokens = _max_tokens(c, j)
                 result = served.stream(f"client {c} asks question {j}: how many buffers?", tokens)
-                row = {"client": c, "req": j, "max_tokens": tokens, "chunks": result["chunks"],
-                       "finish": result["finish_reason"], **served.measure()}
+                row = {
+                    "client": c,
+                    "req": j,
+                    "max_tokens": tokens,
+                    "chunks": result["chunks"],
+                    "finish": result["finish_reason"],
+                    **served.measure(),
+                }
                 with lock:
                     rows.append(row)
         except Exception as exc:  # reported by the main thread
@@ -219,28 +247,53 @@ def test_busy_batch_readings_match_the_true_count(start_server, model_dir):
         steps = row["steps_after"] - previous["steps_after"]
         row["true_per_step"] = (row["true_after"] - previous["true_after"]) / steps if steps else float("nan")
         previous = row
-    columns = ["client", "req", "max_tokens", "chunks", "finish", "steps_before", "steps", "steps_after",
-               "true_before", "resident", "true_after", "off_by", "slack", "per_step", "true_per_step",
-               "rate_known", "decoding", "where"]
-    table = (f"expected {expected} buffers/step; idle before the first request: true "
-             f"{idle['true_before']}, exported {idle['resident']}; {elapsed:.1f} s\n"
-             + _table(rows, columns) + "\n--- server log tail:\n" + served.output()[-1500:])
+    columns = [
+        "client",
+        "req",
+        "max_tokens",
+        "chunks",
+        "finish",
+        "steps_before",
+        "steps",
+        "steps_after",
+        "true_before",
+        "resident",
+        "true_after",
+        "off_by",
+        "slack",
+        "per_step",
+        "true_per_step",
+        "rate_known",
+        "decoding",
+        "where",
+    ]
+    table = (
+        f"expected {expected} buffers/step; idle before the first request: true "
+        f"{idle['true_before']}, exported {idle['resident']}; {elapsed:.1f} s\n"
+        + _table(rows, columns)
+        + "\n--- server log tail:\n"
+        + served.output()[-1500:]
+    )
     print("\n" + table)
 
     assert not failures and not any(t.is_alive() for t in threads), f"{failures}\n{table}"
     assert len(rows) == CLIENTS * REQUESTS_PER_CLIENT, table
     assert all(r["finish"] == "length" and r["chunks"] >= r["max_tokens"] // 2 for r in rows), table
-    assert [r for r in rows if r["off_by"] > r["slack"]] == [], \
+    assert [r for r in rows if r["off_by"] > r["slack"]] == [], (
         f"resident_buffers outside the true count (+- max({REL_SLACK:.0%}, {ABS_SLACK})):\n{table}"
+    )
     busy = [r for r in rows if r["decoding"] == 1]
-    assert len(busy) >= len(rows) * 2 // 3, f"the batch was not kept busy ({len(busy)} of {len(rows)}):\n{table}"
+    assert len(busy) >= len(rows) * 2 // 3, (
+        f"the batch was not kept busy ({len(busy)} of {len(rows)}):\n{table}"
+    )
     # mlx-lm rebuilds the batch when a request joins one of a single request (the old caches and
     # their chains die): that is a new decode, whose rate is unknown until read twice (NaN, not 0).
     known = [r for r in busy if r["rate_known"] == 1]
     assert len(known) >= len(busy) * 2 // 3, f"rate_known too rarely 1 while busy:\n{table}"
     assert all(math.isnan(r["per_step"]) for r in busy if r["rate_known"] == 0), table
-    assert [r for r in known if not abs(r["per_step"] - expected) <= 1] == [], \
+    assert [r for r in known if not abs(r["per_step"] - expected) <= 1] == [], (
         f"buffers_per_step not within 1 of {expected} while the batch is busy:\n{table}"
+    )
     assert served.healthy(), table
     code = served.stop()
     assert code == 0, f"exit status {code}:\n{served.output()[-3000:]}"
@@ -277,37 +330,72 @@ def test_stop_within_stops_every_crossing_request(start_server, model_dir):
         result = served.stream(f"request {i}: count the buffers until the limit", STOP_MAX_TOKENS)
         after = served.oracle()
         exported = served.metrics()
-        rows.append({"req": i, "true_at_start": before["true"], "chunks": result["chunks"],
-                     "finish": result["finish_reason"], "true_after": after["true"],
-                     "resident_after": metric(exported, "mlx_watchdog_resident_buffers", watchdog=WATCHDOG),
-                     "known_after": metric(exported, "mlx_watchdog_rate_known", watchdog=WATCHDOG),
-                     "steps_after": metric(exported, "mlx_watchdog_steps_total", watchdog=WATCHDOG),
-                     "window": (before["time"], after["time"])})
+        rows.append(
+            {
+                "req": i,
+                "true_at_start": before["true"],
+                "chunks": result["chunks"],
+                "finish": result["finish_reason"],
+                "true_after": after["true"],
+                "resident_after": metric(exported, "mlx_watchdog_resident_buffers", watchdog=WATCHDOG),
+                "known_after": metric(exported, "mlx_watchdog_rate_known", watchdog=WATCHDOG),
+                "steps_after": metric(exported, "mlx_watchdog_steps_total", watchdog=WATCHDOG),
+                "window": (before["time"], after["time"]),
+            }
+        )
     stops = served.oracle_events("stop")
     samples_seen = served.oracle_events("sample")
     for row in rows:  # the oracle's 0.2 s samples (not synchronized: a trace, not asserted on)
         start, end = row.pop("window")
         row["peak_sampled"] = max((e["live"] for e in samples_seen if start <= e["time"] <= end), default="")
     for row, stop in zip(rows, stops):
-        row.update({"true_at_stop": stop["true"], "forecast_resident": stop["forecast_resident"],
-                    "limit": stop["limit"], "steps_to_limit": stop["steps_to_limit"],
-                    "per_step": stop["buffers_per_step"], "step": stop["step"]})
+        row.update(
+            {
+                "true_at_stop": stop["true"],
+                "forecast_resident": stop["forecast_resident"],
+                "limit": stop["limit"],
+                "steps_to_limit": stop["steps_to_limit"],
+                "per_step": stop["buffers_per_step"],
+                "step": stop["step"],
+            }
+        )
     samples = served.metrics()
     later = served.stream("a short one after the stops", 16)
     elapsed = time.monotonic() - started
-    table = (f"limit {limit}, stop within {STOP_WITHIN} steps; {len(stops)} stops recorded; "
-             f"{elapsed:.1f} s\n"
-             + _table(rows, ["req", "true_at_start", "chunks", "finish", "step", "true_at_stop",
-                             "forecast_resident", "limit", "per_step", "steps_to_limit", "peak_sampled", "true_after", "resident_after",
-                             "known_after", "steps_after"])
-             + "\n--- server log tail:\n" + served.output()[-1500:])
+    table = (
+        f"limit {limit}, stop within {STOP_WITHIN} steps; {len(stops)} stops recorded; "
+        f"{elapsed:.1f} s\n"
+        + _table(
+            rows,
+            [
+                "req",
+                "true_at_start",
+                "chunks",
+                "finish",
+                "step",
+                "true_at_stop",
+                "forecast_resident",
+                "limit",
+                "per_step",
+                "steps_to_limit",
+                "peak_sampled",
+                "true_after",
+                "resident_after",
+                "known_after",
+                "steps_after",
+            ],
+        )
+        + "\n--- server log tail:\n"
+        + served.output()[-1500:]
+    )
     print("\n" + table)
 
     assert [r["finish"] for r in rows] == [server_hooks.STOP_FINISH_REASON] * STOP_REQUESTS, table
     assert all(r["chunks"] < STOP_MAX_TOKENS for r in rows), table  # cut short, not run to the end
     assert len(stops) == STOP_REQUESTS, table  # one stop per request: each crossed on its own
-    assert all(s["limit"] == limit and s["true"] < limit for s in stops), \
+    assert all(s["limit"] == limit and s["true"] < limit for s in stops), (
         f"a stop came when the true count was at or past the limit {limit}:\n{table}"
+    )
     stops_total = metric(samples, "mlx_watchdog_stops_total", watchdog=WATCHDOG, reason="forecast")
     assert stops_total == STOP_REQUESTS, f"mlx_watchdog_stops_total {stops_total}:\n{table}"
     # The server stayed healthy: it answers, serves a later request in full, and exits cleanly.

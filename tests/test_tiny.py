@@ -257,7 +257,5 @@ def _wrapped_tokenizer():
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tiny.build_tokenizer(512), eos_token=tiny.EOS_TOKEN
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tiny.build_tokenizer(512), eos_token=tiny.EOS_TOKEN)
     return TokenizerWrapper(fast)

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from ..core.watchdog import Watchdog
 from .model import Watching, watchdog_from
 
 
-def watch(fn: Optional[Callable] = None, *, watchdog: Optional[Watchdog] = None,
-          metrics_port: Optional[int] = None, metrics_addr: str = "127.0.0.1", **options):
+def watch(
+    fn: Callable | None = None,
+    *,
+    watchdog: Watchdog | None = None,
+    metrics_port: int | None = None,
+    metrics_addr: str = "127.0.0.1",
+    **options,
+):
     """Decorator for generate functions with mlx-lm's convention
     ``fn(model, tokenizer, prompt, ..., prompt_cache=None, ...)``.
 
@@ -27,8 +33,9 @@ def watch(fn: Optional[Callable] = None, *, watchdog: Optional[Watchdog] = None,
             Watchdog(**{**options, "export": False})  # a throw-away, to check the options
         else:
             watchdog_from(watchdog, options)
-        return functools.partial(watch, watchdog=watchdog, metrics_port=metrics_port,
-                                 metrics_addr=metrics_addr, **options)
+        return functools.partial(
+            watch, watchdog=watchdog, metrics_port=metrics_port, metrics_addr=metrics_addr, **options
+        )
     watchdog = watchdog_from(watchdog, options)
     metrics_server = None
     if metrics_port is not None:
@@ -36,14 +43,17 @@ def watch(fn: Optional[Callable] = None, *, watchdog: Optional[Watchdog] = None,
 
         metrics_server = start_metrics_server(metrics_port, addr=metrics_addr)
     signature = inspect.signature(fn)
-    var_keyword = next((p.name for p in signature.parameters.values()
-                        if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    var_keyword = next(
+        (p.name for p in signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
+    )
     takes_cache = "prompt_cache" in signature.parameters or var_keyword is not None
 
     def prepare(args, kwargs):
         bound = signature.bind_partial(*args, **kwargs)
         # Options passed on through **kwargs (generate -> stream_generate) are given too.
-        given = {**bound.arguments.get(var_keyword, {}), **bound.arguments} if var_keyword else bound.arguments
+        given = (
+            {**bound.arguments.get(var_keyword, {}), **bound.arguments} if var_keyword else bound.arguments
+        )
         model = given.get("model", args[0] if args else None)
         if model is None:
             raise TypeError(f"{fn.__name__}() was called without a model")
@@ -64,6 +74,7 @@ def watch(fn: Optional[Callable] = None, *, watchdog: Optional[Watchdog] = None,
         return model, args, kwargs
 
     if inspect.isgeneratorfunction(fn):
+
         @functools.wraps(fn)
         def generator_wrapper(*args, **kwargs):
             model, args, kwargs = prepare(args, kwargs)

@@ -31,7 +31,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import mlx.core as mx
 
@@ -55,6 +55,7 @@ _group: Any = None  # the global group of size > 1 that the program initialized,
 
 # --------------------------------------------------------------------------- the group
 
+
 def current_group() -> Any:
     """The distributed group of size > 1 this process initialized, when mlx_watchdog saw the
     ``mx.distributed.init()`` call (import mlx_watchdog first); else ``None``. Never calls
@@ -62,7 +63,7 @@ def current_group() -> Any:
     return _group
 
 
-def launch_env() -> Optional[tuple[int, int]]:
+def launch_env() -> tuple[int, int] | None:
     """``(rank, size)`` from the launcher's environment (mlx.launch, mpirun), without touching
     MLX's distributed state; ``None`` when this process was not launched as one of several."""
     rank = _env_int("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -74,7 +75,7 @@ def launch_env() -> Optional[tuple[int, int]]:
     return rank, size
 
 
-def _env_int(*names: str) -> Optional[int]:
+def _env_int(*names: str) -> int | None:
     for name in names:
         value = os.environ.get(name, "").strip()
         if value.isdigit():
@@ -82,7 +83,7 @@ def _env_int(*names: str) -> Optional[int]:
     return None
 
 
-def _hostfile_size() -> Optional[int]:
+def _hostfile_size() -> int | None:
     # mlx.launch's ring backend writes the ring (one list of addresses per rank) to MLX_HOSTFILE.
     path = os.environ.get("MLX_HOSTFILE", "").strip()
     if not path:
@@ -143,9 +144,12 @@ def _attach_waiting(group: Any) -> None:
         elif wd.steps == 0:
             attach(wd, group)
         else:
-            logger.warning("mlx-watchdog: %r stepped before mx.distributed.init(): its stops are not "
-                           "coordinated; call mlx_watchdog.distributed.attach(wd) on every rank "
-                           "at the same step", wd)
+            logger.warning(
+                "mlx-watchdog: %r stepped before mx.distributed.init(): its stops are not "
+                "coordinated; call mlx_watchdog.distributed.attach(wd) on every rank "
+                "at the same step",
+                wd,
+            )
 
 
 def _coordination_enabled() -> bool:
@@ -154,7 +158,8 @@ def _coordination_enabled() -> bool:
 
 # --------------------------------------------------------------------------- attaching
 
-def auto_attach(watchdog: Any) -> Optional["Coordinator"]:
+
+def auto_attach(watchdog: Any) -> Coordinator | None:
     """Called by ``Watchdog.__init__``. Attaches to the group the program already initialized
     (size > 1); launched without one yet, only sets rank and world size from the launcher's
     environment. Never initializes anything, never raises."""
@@ -172,7 +177,7 @@ def auto_attach(watchdog: Any) -> Optional["Coordinator"]:
     return None
 
 
-def attach(watchdog: Any, group: Any = None, *, every: int = DEFAULT_EVERY) -> Optional["Coordinator"]:
+def attach(watchdog: Any, group: Any = None, *, every: int = DEFAULT_EVERY) -> Coordinator | None:
     """Make ``watchdog`` rank-aware and coordinate its forecast and stops with the other ranks.
 
     ``group``: an ``mx.distributed.Group``; ``None`` takes the recorded group, else
@@ -197,9 +202,13 @@ def attach(watchdog: Any, group: Any = None, *, every: int = DEFAULT_EVERY) -> O
     coordinator = Coordinator(watchdog, group, every)
     watchdog.coordinator = coordinator
     if watchdog.stop_within is not None and watchdog.stop_within < every + READ_LAG:
-        logger.warning("mlx-watchdog: stop_within=%s is shorter than the agreement interval (%d steps "
-                       "+ %d): a leak that starts between agreements may reach the limit first",
-                       watchdog.stop_within, every, READ_LAG)
+        logger.warning(
+            "mlx-watchdog: stop_within=%s is shorter than the agreement interval (%d steps "
+            "+ %d): a leak that starts between agreements may reach the limit first",
+            watchdog.stop_within,
+            every,
+            READ_LAG,
+        )
     return coordinator
 
 
@@ -209,6 +218,7 @@ def detach(watchdog: Any) -> None:
 
 
 # --------------------------------------------------------------------------- agreement
+
 
 @dataclasses.dataclass(frozen=True)
 class RankReading:
@@ -230,8 +240,8 @@ class Agreement:
     step: int  # the step at which the readings were taken (a multiple of ``every``)
     steps_to_limit: float  # the worst (smallest) over the ranks at ``step``
     worst_rank: int
-    stop_within: Optional[float]  # the largest stop_within of any rank (the most cautious)
-    stop_step: Optional[int]  # the step at which every rank stops; None: no stop forecast
+    stop_within: float | None  # the largest stop_within of any rank (the most cautious)
+    stop_step: int | None  # the step at which every rank stops; None: no stop forecast
     readings: tuple[RankReading, ...]
     in_lockstep: bool
 
@@ -252,8 +262,15 @@ def agree(rows: list[list[float]], step: int, lag: int = READ_LAG) -> Agreement:
     if stop_within is not None and math.isfinite(worst.steps_to_limit):
         # The first step at which the countdown is within stop_within, never before it is known.
         stop_step = step + max(lag, math.ceil(worst.steps_to_limit - stop_within))
-    return Agreement(step, worst.steps_to_limit, worst.rank, stop_within, stop_step, readings,
-                     all(r.step == readings[0].step for r in readings))
+    return Agreement(
+        step,
+        worst.steps_to_limit,
+        worst.rank,
+        stop_within,
+        stop_step,
+        readings,
+        all(r.step == readings[0].step for r in readings),
+    )
 
 
 class Coordinator:
@@ -266,12 +283,12 @@ class Coordinator:
         self.lag = lag
         self.rank = int(group.rank())
         self.world_size = int(group.size())
-        self.agreement: Optional[Agreement] = None
+        self.agreement: Agreement | None = None
         self.rounds = 0  # rounds started (the collective was called)
         self.seconds = 0.0  # time spent in worst(), collective included
         self.errors = 0
         self._rounds_due_from = watchdog.steps // every  # attached mid-decode: count from here
-        self._pending: Optional[tuple[int, mx.array]] = None  # (step, gathered array)
+        self._pending: tuple[int, mx.array] | None = None  # (step, gathered array)
         self._ignore_until = -1  # readings taken at or before a stop are stale
         self._broken = False
         self._warned: set[str] = set()
@@ -290,8 +307,12 @@ class Coordinator:
             except Exception as exc:  # a peer died, the group is broken: the watchdog goes on locally
                 self._broken = True
                 self.errors += 1
-                logger.error("mlx-watchdog: rank %d: the distributed agreement failed (%r); stops are "
-                             "no longer coordinated", self.rank, exc)
+                logger.error(
+                    "mlx-watchdog: rank %d: the distributed agreement failed (%r); stops are "
+                    "no longer coordinated",
+                    self.rank,
+                    exc,
+                )
                 return steps_to_limit
             agreement = self.agreement
             if agreement is None:
@@ -307,7 +328,7 @@ class Coordinator:
         finally:
             self.seconds += time.perf_counter() - start
 
-    def forecast(self, step: Optional[int] = None):
+    def forecast(self, step: int | None = None):
         """The worst rank's forecast as agreed, counted down to ``step`` (default: now); fields the
         ranks do not exchange (graph nodes, cache split) are this rank's. ``None`` before the
         first agreement."""
@@ -351,9 +372,14 @@ class Coordinator:
     def _start(self, step: int, steps_to_limit: float) -> None:
         forecast = self.watchdog.forecast()
         stop_within = self.watchdog.stop_within
-        row = [float(step), float(steps_to_limit), float(forecast.resident_buffers),
-               float(forecast.buffers_per_step), float(forecast.limit),
-               math.inf if stop_within is None else float(stop_within)]
+        row = [
+            float(step),
+            float(steps_to_limit),
+            float(forecast.resident_buffers),
+            float(forecast.buffers_per_step),
+            float(forecast.limit),
+            math.inf if stop_within is None else float(stop_within),
+        ]
         gathered = self._all_gather(mx.array(row, dtype=mx.float32), group=self.group)
         mx.async_eval(gathered)
         self.rounds += 1
@@ -365,14 +391,18 @@ class Coordinator:
         values = gathered.tolist()  # waits for the collective (normally done by now)
         width = len(_FIELDS)
         if len(values) != width * self.world_size:
-            raise RuntimeError(f"gathered {len(values)} values, expected {width} from each of {self.world_size} ranks")
-        rows = [values[i:i + width] for i in range(0, len(values), width)]
+            raise RuntimeError(
+                f"gathered {len(values)} values, expected {width} from each of {self.world_size} ranks"
+            )
+        rows = [values[i : i + width] for i in range(0, len(values), width)]
         agreement = agree(rows, step, self.lag)
         if not agreement.in_lockstep and "lockstep" not in self._warned:
             self._warned.add("lockstep")
-            logger.warning("mlx-watchdog: the ranks are not in lockstep (steps %s in one round): "
-                           "coordinated stops assume every rank observes the same decode steps",
-                           [r.step for r in agreement.readings])
+            logger.warning(
+                "mlx-watchdog: the ranks are not in lockstep (steps %s in one round): "
+                "coordinated stops assume every rank observes the same decode steps",
+                [r.step for r in agreement.readings],
+            )
         if step <= self._ignore_until:
             return
         self.agreement = agreement
@@ -385,16 +415,25 @@ class Coordinator:
         self.agreement = None
         self._ignore_until = step
         self.watchdog.record_stop("forecast")
-        logger.error("mlx-watchdog: rank %d stops with all %d ranks at step %d (agreed at step %d): "
-                     "rank %d forecasts %s", self.rank, self.world_size, step, agreement.step,
-                     agreement.worst_rank, forecast.describe())
+        logger.error(
+            "mlx-watchdog: rank %d stops with all %d ranks at step %d (agreed at step %d): "
+            "rank %d forecasts %s",
+            self.rank,
+            self.world_size,
+            step,
+            agreement.step,
+            agreement.worst_rank,
+            forecast.describe(),
+        )
         exc = ResourceLimitForecast(forecast)
         exc.agreement = agreement
         raise exc
 
     def __repr__(self) -> str:
-        return (f"Coordinator(rank={self.rank}, world_size={self.world_size}, every={self.every}, "
-                f"rounds={self.rounds})")
+        return (
+            f"Coordinator(rank={self.rank}, world_size={self.world_size}, every={self.every}, "
+            f"rounds={self.rounds})"
+        )
 
 
 install_init_hook()

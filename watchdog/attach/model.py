@@ -14,12 +14,14 @@ from __future__ import annotations
 import copyreg
 import functools
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ..core.watchdog import Watchdog
 
 _STATE = "_mlx_watchdog_state"
 _attach_lock = threading.RLock()
+
 
 class _ModelState:
     """What a watched model carries on its per-instance subclass."""
@@ -31,7 +33,7 @@ class _ModelState:
         self.prefill_hooks: list[Callable] = []  # fn(watchdog, inputs, output) after a multi-token forward
         self.prefill_cache: Any = None  # the forward's cache, set only while the prefill hooks run
         self.blocks: list = []  # open @watch calls: [watchdog, count], oldest first (threads may overlap)
-        self.restore_to: Optional[Watchdog] = None  # the watchdog found before the first of them
+        self.restore_to: Watchdog | None = None  # the watchdog found before the first of them
 
 
 def _observed_call(self, *args, **kwargs):
@@ -63,18 +65,18 @@ def _tokens(inputs: Any) -> int:
     return int(shape[1]) if shape is not None and len(shape) >= 2 else 1
 
 
-def watchdog_from(watchdog: Optional[Watchdog], options: dict) -> Watchdog:
+def watchdog_from(watchdog: Watchdog | None, options: dict) -> Watchdog:
     """The given watchdog, or a new one built from Watchdog options (never both)."""
     if watchdog is not None and options:
         raise ValueError("pass either watchdog= or Watchdog options, not both")
     return watchdog if watchdog is not None else Watchdog(**options)
 
 
-def watched_state(model: Any) -> Optional[_ModelState]:
+def watched_state(model: Any) -> _ModelState | None:
     return type(model).__dict__.get(_STATE)
 
 
-def watch_model(model, watchdog: Optional[Watchdog] = None, **options):
+def watch_model(model, watchdog: Watchdog | None = None, **options):
     """Observe every forward pass of ``model`` that is given a cache. Returns the same model
     object, still an instance of its class. ``options`` create a :class:`Watchdog` when none
     is given. Watching an already watched model swaps its watchdog."""
@@ -89,19 +91,24 @@ def watch_model(model, watchdog: Optional[Watchdog] = None, **options):
             original = type(model)
             state = _ModelState(watchdog, original)
             try:
-                subclass = type(original.__name__, (original,), {
-                    "__slots__": (),  # same memory layout, so classes with __slots__ work too
-                    "__call__": _observed_call,
-                    _STATE: state,
-                    "__module__": original.__module__,
-                    "__qualname__": original.__qualname__,
-                    "__reduce_ex__": _reduce_unwatched,
-                })
+                subclass = type(
+                    original.__name__,
+                    (original,),
+                    {
+                        "__slots__": (),  # same memory layout, so classes with __slots__ work too
+                        "__call__": _observed_call,
+                        _STATE: state,
+                        "__module__": original.__module__,
+                        "__qualname__": original.__qualname__,
+                        "__reduce_ex__": _reduce_unwatched,
+                    },
+                )
                 model.__class__ = subclass
             except TypeError as exc:
                 raise TypeError(
                     f"watch_model needs an instance of a Python class (an nn.Module), got "
-                    f"{type(model).__name__} ({exc}); wrap a bare function with watch_step") from None
+                    f"{type(model).__name__} ({exc}); wrap a bare function with watch_step"
+                ) from None
     if watchdog.name_is_default:
         watchdog.name = _model_name(model)
         watchdog.name_is_default = False

@@ -27,18 +27,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
 from ..core.actions import ResourceLimitForecast
-from ..core.chunks import UNBOUNDED_TOKENS, LineFit, Measurement, fit_line, largest_safe_chunk, measure_chunk
+from ..core.chunks import (
+    FLAT_SPREAD,
+    UNBOUNDED_TOKENS,
+    LineFit,
+    Measurement,
+    fit_line,
+    largest_safe_chunk,
+    measure_chunk,
+)
 from ..core.limits import resolve_limit
 from ..core.watchdog import Watchdog
 from .model import watch_model, watched_state
@@ -71,7 +78,9 @@ def _check_lengths(lengths: Sequence[int], what: str) -> list[int]:
     except TypeError:
         raise ValueError(f"{what} must be a sequence of token counts, got {lengths!r}") from None
     if not values or any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in values):
-        raise ValueError(f"{what} must be a non-empty sequence of ints >= 2 (a prefill chunk), got {lengths!r}")
+        raise ValueError(
+            f"{what} must be a non-empty sequence of ints >= 2 (a prefill chunk), got {lengths!r}"
+        )
     return values
 
 
@@ -118,9 +127,15 @@ class PrefillGuard:
         max_lengths: at most this many distinct live chunk lengths are ever walked.
     """
 
-    def __init__(self, watchdog: Watchdog, safety: float = DEFAULT_SAFETY,
-                 on_safe_size: Optional[Callable[[int], Any]] = None, *,
-                 max_lengths: int = MAX_MEASURED_LENGTHS, ceiling: int = UNBOUNDED_TOKENS):
+    def __init__(
+        self,
+        watchdog: Watchdog,
+        safety: float = DEFAULT_SAFETY,
+        on_safe_size: Callable[[int], Any] | None = None,
+        *,
+        max_lengths: int = MAX_MEASURED_LENGTHS,
+        ceiling: int = UNBOUNDED_TOKENS,
+    ):
         if not isinstance(watchdog, Watchdog):
             raise ValueError(f"PrefillGuard needs a Watchdog, got {type(watchdog).__name__}")
         if on_safe_size is not None and not callable(on_safe_size):
@@ -136,11 +151,11 @@ class PrefillGuard:
         self._lock = threading.Lock()
         self._live: dict[int, Measurement] = {}
         self._calibration: dict[int, Measurement] = {}
-        self._fits: Optional[tuple[LineFit, LineFit]] = None
-        self._reported: Optional[int] = None
+        self._fits: tuple[LineFit, LineFit] | None = None
+        self._reported: int | None = None
         self._state: Any = None  # the watched model's state, whose prefill_cache the hook reads
-        self._model: Optional[weakref.ref] = None  # for a calibration point (see _check)
-        self.safe_tokens: Optional[int] = None
+        self._model: weakref.ref | None = None  # for a calibration point (see _check)
+        self.safe_tokens: int | None = None
         self.chunks = 0  # live prefill chunks seen
         self.walks = 0  # graph walks, live and calibration
         self.walk_seconds = 0.0
@@ -161,16 +176,16 @@ class PrefillGuard:
         return list({**self._calibration, **self._live}.values())
 
     @property
-    def nodes_fit(self) -> Optional[LineFit]:
+    def nodes_fit(self) -> LineFit | None:
         fits = self._fits
         return fits[0] if fits else None
 
     @property
-    def buffers_fit(self) -> Optional[LineFit]:
+    def buffers_fit(self) -> LineFit | None:
         fits = self._fits
         return fits[1] if fits else None
 
-    def predicted_buffers(self, tokens: int) -> Optional[float]:
+    def predicted_buffers(self, tokens: int) -> float | None:
         """Buffers a chunk of ``tokens`` would hold at once (nodes + inputs): the live
         measurement of that length when there is one, else the fit."""
         with self._lock:
@@ -189,14 +204,16 @@ class PrefillGuard:
         with self._lock:
             (self._live if measurement.live else self._calibration)[measurement.tokens] = measurement
             points = self._fit_points()
-            self._fits = (fit_line([(m.tokens, m.nodes) for m in points]),
-                          fit_line([(m.tokens, m.buffers) for m in points]))
+            self._fits = (
+                fit_line([(m.tokens, m.nodes) for m in points]),
+                fit_line([(m.tokens, m.buffers) for m in points]),
+            )
             self.walks += 1
             self.walk_seconds += measurement.seconds
             if measurement.live or not self._live:
                 self.watchdog.prefill_graph_nodes = measurement.nodes
 
-    def calibrate(self, model: Any, lengths: Sequence[int] = (32, 64, 128)) -> Optional[int]:
+    def calibrate(self, model: Any, lengths: Sequence[int] = (32, 64, 128)) -> int | None:
         """Measure chunks of ``lengths`` on a fresh cache (built, never evaluated), so the safe
         size is known before the first real prefill. Returns the safe size."""
         for tokens in _check_lengths(lengths, "calibrate lengths"):
@@ -224,7 +241,7 @@ class PrefillGuard:
             fits = self._fits
             return not (flat or (fits is not None and fits[0].r2 >= TRUST_R2))
 
-    def _assess(self, tokens: Optional[int]) -> tuple[Optional[int], Optional[float]]:
+    def _assess(self, tokens: int | None) -> tuple[int | None, float | None]:
         """(safe chunk size, predicted buffers of a chunk of ``tokens``); sets the watchdog's reading."""
         fits = self._fits
         if fits is None:
@@ -240,7 +257,7 @@ class PrefillGuard:
         resident = self.watchdog.forecast().resident_buffers
         return measurement.predicted_buffers > self.safety * self.watchdog.limit - resident
 
-    def _report(self, safe: Optional[int]) -> None:
+    def _report(self, safe: int | None) -> None:
         if safe is None or safe == self._reported:
             return
         self._reported = safe
@@ -275,7 +292,7 @@ class PrefillGuard:
         if verdict is not None:
             raise verdict
 
-    def _check(self, inputs: Any, output: Any, cache: Any) -> Optional[ResourceLimitForecast]:
+    def _check(self, inputs: Any, output: Any, cache: Any) -> ResourceLimitForecast | None:
         tokens = _chunk_tokens(inputs)
         with self._lock:
             self.chunks += 1
@@ -284,7 +301,12 @@ class PrefillGuard:
             measurement = measure_chunk(tokens, output, cache)
             self.record(measurement)
             model = self._model() if self._model is not None else None
-            if alone and model is not None and tokens >= 2 * COMPANION_TOKENS and self._over_budget(measurement):
+            if (
+                alone
+                and model is not None
+                and tokens >= 2 * COMPANION_TOKENS
+                and self._over_budget(measurement)
+            ):
                 # One point fits a line through the origin: above the point it over-predicts
                 # (conservative), below it it under-predicts a graph with a fixed part (a flat
                 # dense or MoE graph most of all). The chunk does not fit, so the safe size lies
@@ -301,11 +323,15 @@ class PrefillGuard:
             return None
         wd.record_stop("prefill")
         if safe:
-            advice = (f"retry with prefill_step_size={safe} (the largest chunk predicted under "
-                      f"{self.safety:.0%} of the limit)")
+            advice = (
+                f"retry with prefill_step_size={safe} (the largest chunk predicted under "
+                f"{self.safety:.0%} of the limit)"
+            )
         else:
-            advice = ("no chunk size fits: free resident buffers (Watchdog(fix=True) cuts leaked "
-                      "chains) or raise the limit")
+            advice = (
+                "no chunk size fits: free resident buffers (Watchdog(fix=True) cuts leaked "
+                "chains) or raise the limit"
+            )
         message = (
             f"mlx-watchdog stopped the prefill before evaluating it: a chunk of {tokens} tokens is "
             f"predicted to hold {predicted:.0f} buffers at once (graph nodes + inputs), more than the "
@@ -330,17 +356,27 @@ class PrefillGuard:
         """Stop guarding: take the hook off the model it was installed on."""
         state, self._state = self._state, None
         if state is not None:
-            state.prefill_hooks[:] = [h for h in state.prefill_hooks if getattr(h, "__self__", None) is not self]
+            state.prefill_hooks[:] = [
+                h for h in state.prefill_hooks if getattr(h, "__self__", None) is not self
+            ]
 
     def __repr__(self) -> str:
         fit = self.nodes_fit
         per_token = f"{fit.slope:.1f}" if fit else "?"
-        return (f"PrefillGuard({self.watchdog.name!r}, nodes/token={per_token}, "
-                f"safe_tokens={self.safe_tokens}, walks={self.walks}, chunks={self.chunks})")
+        return (
+            f"PrefillGuard({self.watchdog.name!r}, nodes/token={per_token}, "
+            f"safe_tokens={self.safe_tokens}, walks={self.walks}, chunks={self.chunks})"
+        )
 
 
-def install(watchdog: Watchdog, model: Any, on_safe_size: Optional[Callable[[int], Any]] = None, *,
-            safety: float = DEFAULT_SAFETY, calibrate: Sequence[int] = ()) -> PrefillGuard:
+def install(
+    watchdog: Watchdog,
+    model: Any,
+    on_safe_size: Callable[[int], Any] | None = None,
+    *,
+    safety: float = DEFAULT_SAFETY,
+    calibrate: Sequence[int] = (),
+) -> PrefillGuard:
     """Guard ``model``'s prefill chunks with ``watchdog`` (the model is watched first when it is
     not). A guard installed earlier on the same model is replaced. ``calibrate``: chunk lengths
     to measure now on a fresh cache (never evaluated), so ``on_safe_size`` hears the safe size
@@ -350,8 +386,9 @@ def install(watchdog: Watchdog, model: Any, on_safe_size: Optional[Callable[[int
     if state is None:
         watch_model(model, watchdog)
         state = watched_state(model)
-    state.prefill_hooks[:] = [h for h in state.prefill_hooks
-                              if not isinstance(getattr(h, "__self__", None), PrefillGuard)]
+    state.prefill_hooks[:] = [
+        h for h in state.prefill_hooks if not isinstance(getattr(h, "__self__", None), PrefillGuard)
+    ]
     guard._state = state
     guard._model = weakref.ref(model)
     state.prefill_hooks.append(guard.hook)
@@ -360,7 +397,7 @@ def install(watchdog: Watchdog, model: Any, on_safe_size: Optional[Callable[[int
     return guard
 
 
-def installed_guard(model: Any) -> Optional[PrefillGuard]:
+def installed_guard(model: Any) -> PrefillGuard | None:
     """The guard installed on ``model``, if any."""
     state = watched_state(model)
     for hook in state.prefill_hooks if state is not None else ():
@@ -372,8 +409,15 @@ def installed_guard(model: Any) -> Optional[PrefillGuard]:
 
 # --------------------------------------------------------------------------- a one-off measurement
 
-def safe_prefill_report(model: Any, limit: Optional[int] = None, lengths: Sequence[int] = (32, 64, 128), *,
-                        safety: float = DEFAULT_SAFETY, resident_buffers: Optional[int] = None) -> dict:
+
+def safe_prefill_report(
+    model: Any,
+    limit: int | None = None,
+    lengths: Sequence[int] = (32, 64, 128),
+    *,
+    safety: float = DEFAULT_SAFETY,
+    resident_buffers: int | None = None,
+) -> dict:
     """Measure the forward graph of prefill chunks of ``lengths`` tokens and compute the safe
     prefill step size for ``limit`` (default: the device's). Each chunk is built on a fresh
     cache and never evaluated; a length already predicted over the limit is not even built.

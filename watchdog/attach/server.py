@@ -33,7 +33,8 @@ import os
 import threading
 import traceback
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -54,8 +55,8 @@ _HOOK_POINTS = (
 )
 
 
-
 # --------------------------------------------------------------------------- the response channel
+
 
 class _Channel:
     """Stands in for one request's response queue on the generation thread.
@@ -66,7 +67,7 @@ class _Channel:
     (mlx-lm's non-batched path does that with any exception) becomes the watchdog's final chunk.
     """
 
-    def __init__(self, hooks: "ServerHooks", queue: Any, item: tuple):
+    def __init__(self, hooks: ServerHooks, queue: Any, item: tuple):
         self._hooks = hooks
         self.queue = queue
         self.item = item  # what the generation thread took, to put back when not started
@@ -84,7 +85,7 @@ class _Channel:
         # mlx-lm's handler sets _should_stop when it stops reading (client gone, or done).
         return bool(getattr(self.context, "_should_stop", False))
 
-    def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         if isinstance(obj, ResourceLimitForecast):
             self._hooks._stopped([self], obj)
             return
@@ -116,6 +117,7 @@ class _Channel:
 
 # --------------------------------------------------------------------------- the hooks
 
+
 class ServerHooks:
     """Attach the watchdog to ``mlx_lm.server`` (see the module docstring) and detach it again.
 
@@ -123,8 +125,9 @@ class ServerHooks:
     context manager, or ``attach()`` / ``detach()``; detaching restores the exact original
     functions, unwatches the models still alive and stops exporting their watchdogs."""
 
-    def __init__(self, options: Optional[dict] = None, *, adapt_prefill: bool = False,
-                 server_module: Any = None):
+    def __init__(
+        self, options: dict | None = None, *, adapt_prefill: bool = False, server_module: Any = None
+    ):
         self.options = dict(options or {})
         Watchdog(**self.options, export=False)  # validate the options now, not at the first load
         self.adapt_prefill = bool(adapt_prefill)
@@ -132,12 +135,16 @@ class ServerHooks:
         for cls_name, method in _HOOK_POINTS:
             cls = getattr(self.server, cls_name, None)
             if cls is None or not callable(cls.__dict__.get(method)):
-                raise RuntimeError(f"mlx_lm.server has no {cls_name}.{method}: this mlx-lm version is "
-                                   "not supported by `mlx-watchdog serve`")
+                raise RuntimeError(
+                    f"mlx_lm.server has no {cls_name}.{method}: this mlx-lm version is "
+                    "not supported by `mlx-watchdog serve`"
+                )
         for name in ("GenerationContext", "Response"):
             if not isinstance(getattr(self.server, name, None), type):
-                raise RuntimeError(f"mlx_lm.server has no {name} class: this mlx-lm version is not "
-                                   "supported by `mlx-watchdog serve`")
+                raise RuntimeError(
+                    f"mlx_lm.server has no {name} class: this mlx-lm version is not "
+                    "supported by `mlx-watchdog serve`"
+                )
         self._lock = threading.Lock()
         self._originals: dict[tuple[str, str], Callable] = {}
         self._watched: list[tuple[weakref.ref, Watchdog]] = []
@@ -151,7 +158,7 @@ class ServerHooks:
     def attached(self) -> bool:
         return bool(self._originals)
 
-    def attach(self) -> "ServerHooks":
+    def attach(self) -> ServerHooks:
         with self._lock:
             if self._originals:
                 raise RuntimeError("these hooks are already attached")
@@ -177,7 +184,7 @@ class ServerHooks:
         for ref, watchdog in watched:
             self._retire(ref(), watchdog)
 
-    def __enter__(self) -> "ServerHooks":
+    def __enter__(self) -> ServerHooks:
         return self.attach()
 
     def __exit__(self, *exc) -> None:
@@ -253,8 +260,13 @@ class ServerHooks:
         with self._lock:
             self._watched = [(r, wd) for r, wd in self._watched if r() is not None]
             self._watched.append((weakref.ref(model), watchdog))
-        logger.info("mlx-watchdog: watching %s (limit %d buffers, fix=%s, stop_within=%s)",
-                    name, watchdog.limit, watchdog.fix, watchdog.stop_within)
+        logger.info(
+            "mlx-watchdog: watching %s (limit %d buffers, fix=%s, stop_within=%s)",
+            name,
+            watchdog.limit,
+            watchdog.fix,
+            watchdog.stop_within,
+        )
         if self.adapt_prefill:
             self._install_prefill(watchdog, model, provider)
 
@@ -271,7 +283,11 @@ class ServerHooks:
     @staticmethod
     def _retire(model: Any, watchdog: Watchdog) -> None:
         watchdog.export = False  # its series leave /metrics: the model is gone
-        if model is not None and watched_state(model) is not None and watched_state(model).watchdog is watchdog:
+        if (
+            model is not None
+            and watched_state(model) is not None
+            and watched_state(model).watchdog is watchdog
+        ):
             unwatch_model(model)
 
     def _install_prefill(self, watchdog: Watchdog, model: Any, provider: Any) -> None:
@@ -285,8 +301,10 @@ class ServerHooks:
         if not callable(install):
             if not self._prefill_unavailable_logged:
                 self._prefill_unavailable_logged = True
-                logger.warning("mlx-watchdog: --adapt-prefill: mlx_watchdog.prefill.install is not "
-                               "available in this version; prefill chunks are not adapted")
+                logger.warning(
+                    "mlx-watchdog: --adapt-prefill: mlx_watchdog.prefill.install is not "
+                    "available in this version; prefill chunks are not adapted"
+                )
             return
         cli_args = provider.cli_args
         user_step = self._user_prefill_step.setdefault(id(provider), int(cli_args.prefill_step_size))
@@ -296,8 +314,12 @@ class ServerHooks:
             # a request alone: later batches use the new size.
             size = max(1, min(user_step, int(tokens)))
             if size != cli_args.prefill_step_size:
-                logger.info("mlx-watchdog: prefill step size %d -> %d tokens (safe size %s)",
-                            cli_args.prefill_step_size, size, tokens)
+                logger.info(
+                    "mlx-watchdog: prefill step size %d -> %d tokens (safe size %s)",
+                    cli_args.prefill_step_size,
+                    size,
+                    tokens,
+                )
                 cli_args.prefill_step_size = size
 
         try:
@@ -337,8 +359,12 @@ class ServerHooks:
 
     def _stopped(self, channels: list[_Channel], exc: ResourceLimitForecast) -> None:
         ended = sum(channel.stop(exc) for channel in channels)
-        logger.error("mlx-watchdog: ended %d request(s) with finish_reason=%r: %s; the server goes on",
-                     ended, STOP_FINISH_REASON, exc)
+        logger.error(
+            "mlx-watchdog: ended %d request(s) with finish_reason=%r: %s; the server goes on",
+            ended,
+            STOP_FINISH_REASON,
+            exc,
+        )
         for watchdog in self.watchdogs():
             watchdog.reset()  # the stopped batch and its caches are gone
 
@@ -359,6 +385,7 @@ def _model_label(model_path: Any) -> str:
 
 
 # --------------------------------------------------------------------------- prefill chunks
+
 
 def adapt_server_prefill(target: Any, safe_tokens: int, user_step: int) -> int:
     """Apply a safe prefill chunk size to mlx_lm.server (0.32) state; returns the size set:
@@ -385,8 +412,10 @@ def adapt_server_prefill(target: Any, safe_tokens: int, user_step: int) -> int:
         return size
     args = getattr(target, "cli_args", target)
     if not hasattr(args, "prefill_step_size"):
-        raise ValueError(f"{type(target).__name__} has no prefill_step_size (expected mlx_lm.server's "
-                         "cli_args, ModelProvider, ResponseGenerator or a BatchGenerator)")
+        raise ValueError(
+            f"{type(target).__name__} has no prefill_step_size (expected mlx_lm.server's "
+            "cli_args, ModelProvider, ResponseGenerator or a BatchGenerator)"
+        )
     args.prefill_step_size = size
     return size
 
@@ -400,16 +429,16 @@ class ServerPrefillAdapter:
     ``attach(server_module)`` swaps ``server_module.BatchGenerator`` for a subclass that
     registers each instance here (``detach`` puts the original back)."""
 
-    def __init__(self, cli_args: Any, user_step: Optional[int] = None):
+    def __init__(self, cli_args: Any, user_step: int | None = None):
         if not hasattr(cli_args, "prefill_step_size"):
             raise ValueError(f"cli_args has no prefill_step_size: {cli_args!r}")
         self.cli_args = cli_args
         self.user_step = int(cli_args.prefill_step_size if user_step is None else user_step)
-        self.applied: Optional[int] = None
-        self._generators: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        self._patched: Optional[tuple[Any, Any]] = None
+        self.applied: int | None = None
+        self._generators: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._patched: tuple[Any, Any] | None = None
 
-    def attach(self, server_module: Any = None) -> "ServerPrefillAdapter":
+    def attach(self, server_module: Any = None) -> ServerPrefillAdapter:
         if server_module is None:
             import mlx_lm.server as server_module
         original = getattr(server_module, "BatchGenerator", None)
@@ -448,7 +477,11 @@ class ServerPrefillAdapter:
         for generator in list(self._generators):
             adapt_server_prefill(generator, int(safe_tokens), self.user_step)
         if size != self.applied:
-            logger.info("mlx-watchdog: prefill step size -> %d tokens (safe size %d, configured %d)",
-                        size, safe_tokens, self.user_step)
+            logger.info(
+                "mlx-watchdog: prefill step size -> %d tokens (safe size %d, configured %d)",
+                size,
+                safe_tokens,
+                self.user_step,
+            )
         self.applied = size
         return size

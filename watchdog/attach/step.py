@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from ..core.watchdog import Watchdog
 from .model import watchdog_from
 
 
-def watch_step(fn: Callable, cache: Any, watchdog: Optional[Watchdog] = None, **options) -> Callable:
+def watch_step(fn: Callable, cache: Any, watchdog: Watchdog | None = None, **options) -> Callable:
     """Wrap a bare step function: each call observes ``cache`` first."""
     watchdog = watchdog_from(watchdog, options)
     if not callable(fn):

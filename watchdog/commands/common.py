@@ -13,8 +13,8 @@ import os
 import shutil
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from ..core import options
 
@@ -33,6 +33,7 @@ class UsageError(Exception):
 
 
 # --------------------------------------------------------------------------- argument types
+
 
 def checked(convert, is_valid, what: str, name: str):
     """An argparse type: ``convert`` the text, then check it; errors say what was expected."""
@@ -74,35 +75,55 @@ class _DeprecatedAlias(argparse.Action):
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new}",
-              file=sys.stderr)
+        print(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new}", file=sys.stderr)
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
 def deprecated_alias(parser, old: str, new: str, dest: str, **kwargs) -> None:
     """Accept ``old`` as a hidden spelling of ``new`` (same ``dest``), with a warning."""
-    parser.add_argument(old, dest=dest, action=_DeprecatedAlias, new=new, help=argparse.SUPPRESS,
-                        default=argparse.SUPPRESS, **kwargs)
+    parser.add_argument(
+        old,
+        dest=dest,
+        action=_DeprecatedAlias,
+        new=new,
+        help=argparse.SUPPRESS,
+        default=argparse.SUPPRESS,
+        **kwargs,
+    )
 
 
 # --------------------------------------------------------------------------- flags shared by commands
 
+
 def add_max_tokens(parser, default: int, help: str) -> None:
     """``--max-tokens/-m N`` (mlx_lm.generate's spelling); ``--steps`` is its old name."""
-    parser.add_argument("-m", "--max-tokens", dest="max_tokens", type=positive_int, default=default,
-                        metavar="N", help=f"{help} (default: %(default)s)")
+    parser.add_argument(
+        "-m",
+        "--max-tokens",
+        dest="max_tokens",
+        type=positive_int,
+        default=default,
+        metavar="N",
+        help=f"{help} (default: %(default)s)",
+    )
     deprecated_alias(parser, "--steps", "--max-tokens", "max_tokens", type=positive_int, metavar="N")
 
 
 def add_output_flags(parser, what: str) -> None:
     """``--json`` (one document on stdout, nothing else there) and ``--plot FILE``."""
-    parser.add_argument("--json", action="store_true",
-                        help=f"print one JSON document on stdout ({what}); progress goes to "
-                             "stderr, and only on a terminal")
-    parser.add_argument("--plot", type=plot_file, metavar="FILE",
-                        help="draw resident buffers against steps (each path, with and without the "
-                             "fix, the fitted growth, the limit and the forecast crash) into FILE, "
-                             "PNG or SVG by its extension; needs `pip install 'mlx-watchdog[plot]'`")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print one JSON document on stdout ({what}); progress goes to stderr, and only on a terminal",
+    )
+    parser.add_argument(
+        "--plot",
+        type=plot_file,
+        metavar="FILE",
+        help="draw resident buffers against steps (each path, with and without the "
+        "fix, the fitted growth, the limit and the forecast crash) into FILE, "
+        "PNG or SVG by its extension; needs `pip install 'mlx-watchdog[plot]'`",
+    )
 
 
 def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -110,20 +131,25 @@ def split_server_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     argv = list(argv)
     if "--" in argv:
         cut = argv.index("--")
-        return argv[:cut], argv[cut + 1:]
+        return argv[:cut], argv[cut + 1 :]
     return argv, []
 
 
 # --------------------------------------------------------------------------- checks before starting
 
+
 def looks_local(spec: str) -> bool:
     """A path rather than a Hugging Face id (an id is "name" or "org/name": at most one slash,
     no leading "/", "." or "~")."""
-    return (spec.startswith(("/", ".", "~")) or spec.count("/") > 1
-            or (os.altsep is not None and os.altsep in spec) or os.path.exists(spec))
+    return (
+        spec.startswith(("/", ".", "~"))
+        or spec.count("/") > 1
+        or (os.altsep is not None and os.altsep in spec)
+        or os.path.exists(spec)
+    )
 
 
-def local_model_problem(spec: str) -> Optional[str]:
+def local_model_problem(spec: str) -> str | None:
     """What is wrong with a local model folder ``spec`` (None: fine, or a Hugging Face id)."""
     if not looks_local(spec):
         return None
@@ -137,12 +163,13 @@ def local_model_problem(spec: str) -> Optional[str]:
     return None
 
 
-def port_problem(host: str, port: int) -> Optional[str]:
+def port_problem(host: str, port: int) -> str | None:
     """Why an HTTP server could not listen on ``host:port`` (None: it can), tried the way
     ``http.server`` binds (SO_REUSEADDR: a port in TIME_WAIT is free, one with a listener not)."""
     try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
+        family, _, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except (socket.gaierror, UnicodeError, OverflowError) as exc:
         return f"cannot resolve {host!r}: {exc}"
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -155,6 +182,7 @@ def port_problem(host: str, port: int) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- output
+
 
 def consoles(json_output: bool = False):
     """(report, progress): rich Consoles for the report (stdout) and progress (stderr).

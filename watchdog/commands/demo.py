@@ -32,16 +32,27 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, Optional
+from typing import Any
 
-from .common import (EXIT_LEAK, EXIT_OK, UsageError, add_max_tokens, add_output_flags, consoles,
-                         deprecated_alias, port_number, positive_int, print_json)
+from .common import (
+    EXIT_LEAK,
+    EXIT_OK,
+    UsageError,
+    add_max_tokens,
+    add_output_flags,
+    consoles,
+    deprecated_alias,
+    port_number,
+    positive_int,
+    print_json,
+)
 
 DESCRIPTION = (
     "Build a tiny random-weight hybrid model in memory (no download), decode it through "
     "mlx-lm's batched path and watch the buffer leak live: resident buffers against a scaled-down "
     "limit, growth per step, the forecast crash and the leaking attribute. Then decode again with "
-    "the fix and compare: growth gone, tokens unchanged. Serves /metrics on 127.0.0.1 meanwhile.")
+    "the fix and compare: growth gone, tokens unchanged. Serves /metrics on 127.0.0.1 meanwhile."
+)
 
 DEFAULT_STEPS = 300
 DEFAULT_LAYERS = 12  # qwen3_next with full attention every 4th layer: 9 linear layers, +8 buffers/step
@@ -60,20 +71,43 @@ SCHEMA = "mlx-watchdog.demo/1"
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_max_tokens(parser, DEFAULT_STEPS, "decode steps (tokens per sequence) of pass 1")
-    parser.add_argument("--model-type", default="qwen3_next", metavar="TYPE",
-                        help="tiny model type: llama, qwen3, qwen3_next, deepseek_v41, qwen3_moe "
-                             "(default: %(default)s, the hybrid that leaks)")
-    parser.add_argument("--layers", type=positive_int, default=DEFAULT_LAYERS, metavar="N",
-                        help="layers of the tiny model (default: %(default)s)")
-    parser.add_argument("--limit", type=positive_int, default=DEFAULT_LIMIT, metavar="N",
-                        help="buffer limit, scaled down from Metal's 499,000 so the crash is "
-                             "near (default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH, metavar="N",
-                        help="sequences decoded together (default: %(default)s)")
+    parser.add_argument(
+        "--model-type",
+        default="qwen3_next",
+        metavar="TYPE",
+        help="tiny model type: llama, qwen3, qwen3_next, deepseek_v41, qwen3_moe "
+        "(default: %(default)s, the hybrid that leaks)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=positive_int,
+        default=DEFAULT_LAYERS,
+        metavar="N",
+        help="layers of the tiny model (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=positive_int,
+        default=DEFAULT_LIMIT,
+        metavar="N",
+        help="buffer limit, scaled down from Metal's 499,000 so the crash is near (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=DEFAULT_BATCH,
+        metavar="N",
+        help="sequences decoded together (default: %(default)s)",
+    )
     deprecated_alias(parser, "--batch", "--batch-size", "batch_size", type=positive_int, metavar="N")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default: 0)")
-    parser.add_argument("--metrics-port", type=port_number, default=DEFAULT_METRICS_PORT, metavar="PORT",
-                        help="port of /metrics on 127.0.0.1 (default: %(default)s; 0 picks a free one)")
+    parser.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=DEFAULT_METRICS_PORT,
+        metavar="PORT",
+        help="port of /metrics on 127.0.0.1 (default: %(default)s; 0 picks a free one)",
+    )
     parser.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     add_output_flags(parser, "the report of `pydoc mlx_watchdog.demo`")
     return parser
@@ -86,7 +120,7 @@ class DemoOutcome:
     first: Any  # watched only
     second: Any  # Watchdog(fix=True)
     exit_status: int
-    metrics_url: Optional[str] = None
+    metrics_url: str | None = None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
 
 def report(args: argparse.Namespace, outcome: DemoOutcome) -> dict:
     """The ``--json`` document (diagnose's report shape, see the module docstring)."""
-    from .diagnose import _finite, _run_entry
     from ..core.limits import resolve_limit
+    from .diagnose import _finite, _run_entry
 
     entry = _run_entry(outcome.first, outcome.second)
     entry.pop("_limit")
@@ -131,7 +165,7 @@ def report(args: argparse.Namespace, outcome: DemoOutcome) -> dict:
         "real_limit_step": real_step,
         "steps": args.max_tokens,
         "leak": entry["leak"],
-        "leak_sites": [l["site"] for l in entry["leaks"]],
+        "leak_sites": [leak["site"] for leak in entry["leaks"]],
         "fix_removes_leak": entry["fix"]["removes_leak"],
         "metrics_url": outcome.metrics_url,
         "exit_status": outcome.exit_status,
@@ -146,8 +180,9 @@ def run_demo(args: argparse.Namespace, console) -> DemoOutcome:
     from ..core.limits import resolve_limit
 
     if args.model_type not in tiny.MODEL_TYPES:
-        raise UsageError(f"unknown --model-type {args.model_type!r}; choose one of "
-                         f"{', '.join(tiny.MODEL_TYPES)}")
+        raise UsageError(
+            f"unknown --model-type {args.model_type!r}; choose one of {', '.join(tiny.MODEL_TYPES)}"
+        )
     try:
         model = tiny.build_model(args.model_type, layers=args.layers, seed=args.seed)
     except ValueError as exc:
@@ -200,17 +235,28 @@ def _passes(args: argparse.Namespace, model, console, real_limit: int):
         prompts = prompts[:1]
     linear = sum(bool(getattr(layer, "is_linear", False)) for layer in getattr(model, "layers", []))
     kind = f", {linear} linear-attention layers" if linear else ""
-    console.print(f"mlx-watchdog demo: tiny random-weight {args.model_type} ({args.layers} layers{kind}), "
-                  + _path_words(path, len(prompts)))
+    console.print(
+        f"mlx-watchdog demo: tiny random-weight {args.model_type} ({args.layers} layers{kind}), "
+        + _path_words(path, len(prompts))
+    )
     if unbatchable:
-        console.print(f"note: mlx-lm's BatchGenerator cannot batch {args.model_type} (its {unbatchable} "
-                      "has no merge()); the demo uses the plain path")
-    console.print(f"limit: {args.limit:,} buffers, scaled down from the real {real_limit:,} so the "
-                  f"crash is near (--limit)")
+        console.print(
+            f"note: mlx-lm's BatchGenerator cannot batch {args.model_type} (its {unbatchable} "
+            "has no merge()); the demo uses the plain path"
+        )
+    console.print(
+        f"limit: {args.limit:,} buffers, scaled down from the real {real_limit:,} so the "
+        f"crash is near (--limit)"
+    )
 
     def watched() -> Watchdog:
-        return Watchdog(args.limit, name=f"demo-{args.model_type}", stop_within=0,
-                        overhead_budget=OVERHEAD_BUDGET, walk_interval=0)
+        return Watchdog(
+            args.limit,
+            name=f"demo-{args.model_type}",
+            stop_within=0,
+            overhead_budget=OVERHEAD_BUDGET,
+            walk_interval=0,
+        )
 
     leaky = watched()
     view = _View(console, "pass 1/2: watch only", args.max_tokens, len(prompts))
@@ -221,23 +267,35 @@ def _passes(args: argparse.Namespace, model, console, real_limit: int):
         if path != "batched" or "batch" not in str(exc).lower():
             raise
         path, prompts = "plain", prompts[:1]
-        console.print(f"note: mlx-lm cannot batch {args.model_type} ({exc}); pass 1 again on the "
-                      "plain path (generate_step, one sequence)")
+        console.print(
+            f"note: mlx-lm cannot batch {args.model_type} ({exc}); pass 1 again on the "
+            "plain path (generate_step, one sequence)"
+        )
         leaky = watched()
         view = _View(console, "pass 1/2: watch only (plain path)", args.max_tokens, 1)
         first = view.run(lambda cb: decode_pass(model, path, prompts, args.max_tokens, leaky, cb))
     steps_done = first.decode_steps
     if first.stopped is not None:
-        console.print(f"step {first.forecast.step - first.step_offset:,}: the estimate reached the limit of "
-                      f"{args.limit:,} buffers. A device with this limit would crash here; the "
-                      f"watchdog stopped the decode cleanly (Watchdog(stop_within=0)) after "
-                      f"{steps_done:,} of {args.max_tokens:,} steps.")
+        console.print(
+            f"step {first.forecast.step - first.step_offset:,}: the estimate reached the limit of "
+            f"{args.limit:,} buffers. A device with this limit would crash here; the "
+            f"watchdog stopped the decode cleanly (Watchdog(stop_within=0)) after "
+            f"{steps_done:,} of {args.max_tokens:,} steps."
+        )
     title = "pass 2/2: Watchdog(fix=True)"
     if steps_done < args.max_tokens:
-        title += (f", {steps_done:,} steps (not {args.max_tokens:,}): as many as pass 1 decoded, "
-                  "so that the tokens can be compared")
-    fixed = Watchdog(args.limit, name=f"demo-{args.model_type}-fixed", fix=True, fix_every=1,
-                     overhead_budget=OVERHEAD_BUDGET, walk_interval=0)
+        title += (
+            f", {steps_done:,} steps (not {args.max_tokens:,}): as many as pass 1 decoded, "
+            "so that the tokens can be compared"
+        )
+    fixed = Watchdog(
+        args.limit,
+        name=f"demo-{args.model_type}-fixed",
+        fix=True,
+        fix_every=1,
+        overhead_budget=OVERHEAD_BUDGET,
+        walk_interval=0,
+    )
     view = _View(console, title, steps_done, len(prompts))
     second = view.run(lambda cb: decode_pass(model, path, prompts, steps_done, fixed, cb))
     return first, second
@@ -250,7 +308,7 @@ def _path_words(path: str, prompts: int) -> str:
     return f"1 prompt of {PROMPT_TOKENS} tokens, mlx-lm generate_step (plain path, one sequence)"
 
 
-def _unbatchable_cache(model) -> Optional[str]:
+def _unbatchable_cache(model) -> str | None:
     """The class name of a cache of ``model`` that mlx-lm's ``BatchGenerator`` cannot batch
     (it merges the prompt caches with their ``merge`` method: mlx-lm 0.32's ``_merge_caches``),
     else None. ``deepseek_v41``'s ``LayerCache`` has none in mlx-lm 0.32.2."""
@@ -274,22 +332,30 @@ def _verdict(console, first, second, real_limit: int) -> int:
     console.print()
     if f.leaks:
         top = f.leaks[0]
-        console.print(f"top leak site: {top.site} +{top.buffers_per_step:.3g} buffers/step "
-                      f"({', '.join(top.paths[:4])}{', ...' if len(top.paths) > 4 else ''})")
+        console.print(
+            f"top leak site: {top.site} +{top.buffers_per_step:.3g} buffers/step "
+            f"({', '.join(top.paths[:4])}{', ...' if len(top.paths) > 4 else ''})"
+        )
     if growth > 0:
         real_steps = max(0.0, (real_limit - f.resident_buffers) / growth)
         rate = f.step_rate
         when = f" (~{_duration(real_steps / rate)} at {rate:.0f} steps/s)" if rate > 0 else ""
-        console.print(f"at the real limit of {real_limit:,} buffers this decode would crash after "
-                      f"~{f.step - first.step_offset + real_steps:,.0f} steps{when}.")
-    console.print(f"growth: {growth:+.3g} buffers/step watched, {fixed_growth:+.3g} with the fix; "
-                  f"tokens {'identical' if identical else 'DIFFERENT'} ({compared:,} compared).")
+        console.print(
+            f"at the real limit of {real_limit:,} buffers this decode would crash after "
+            f"~{f.step - first.step_offset + real_steps:,.0f} steps{when}."
+        )
+    console.print(
+        f"growth: {growth:+.3g} buffers/step watched, {fixed_growth:+.3g} with the fix; "
+        f"tokens {'identical' if identical else 'DIFFERENT'} ({compared:,} compared)."
+    )
     ok = fixed_growth < FIX_MAX_GROWTH and identical
     if ok and growth >= FIX_MAX_GROWTH:
         console.print("VERDICT: the fix removes the leak and the tokens are unchanged.", style="bold green")
     elif ok:
-        console.print("VERDICT: no leak on this model and path; the fix changes nothing, tokens unchanged.",
-                      style="bold green")
+        console.print(
+            "VERDICT: no leak on this model and path; the fix changes nothing, tokens unchanged.",
+            style="bold green",
+        )
     else:
         console.print("VERDICT: the fix did NOT hold (growth left or tokens changed).", style="bold red")
     return EXIT_OK if ok else EXIT_LEAK
@@ -317,7 +383,7 @@ class _View:
         self._progress = None
         self._task = None
         self._live = None
-        self._walks_at_start: Optional[int] = None
+        self._walks_at_start: int | None = None
         self._offset = 0  # watchdog steps (forward passes) before decode step 1
 
     def run(self, decode):
@@ -330,16 +396,19 @@ class _View:
         from rich.live import Live
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self._progress = Progress(TextColumn("decode"), BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), console=self.console)
+        self._progress = Progress(
+            TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=self.console
+        )
         self._task = self._progress.add_task("decode", total=self.steps)
-        with Live(Group(self._progress, self._table(None, 0, 0.0)), console=self.console,
-                  refresh_per_second=8) as live:
+        with Live(
+            Group(self._progress, self._table(None, 0, 0.0)), console=self.console, refresh_per_second=8
+        ) as live:
             self._live = live
             result = decode(self._live_step)
             self._progress.update(self._task, completed=result.decode_steps)
-            live.update(Group(self._progress, self._table(result.watchdog, result.decode_steps,
-                                                          result.seconds)))
+            live.update(
+                Group(self._progress, self._table(result.watchdog, result.decode_steps, result.seconds))
+            )
         return result
 
     def _start(self, step: int, watchdog) -> None:
@@ -381,17 +450,19 @@ class _View:
             crash = f"step {f.limit_step - self._offset:,.0f} (in {_duration(f.seconds_to_limit)})"
         leaks = f.leaks
         if watchdog.fix and leaks:
-            sites = ", ".join(f"{l.site} +{l.buffers_per_step:.3g}/step cut by the fix" for l in leaks[:3])
+            sites = ", ".join(f"{leak.site} +{leak.buffers_per_step:.3g}/step cut by the fix" for leak in leaks[:3])
         else:
-            sites = ", ".join(f"{l.site} +{l.buffers_per_step:.3g}/step" for l in leaks[:3]) or "none"
+            sites = ", ".join(f"{leak.site} +{leak.buffers_per_step:.3g}/step" for leak in leaks[:3]) or "none"
         return {"forecast": f, "tps": tps, "crash": crash, "sites": sites}
 
     def _line(self, watchdog, elapsed: float, steps: int) -> str:
         n = self._numbers(watchdog, steps, elapsed)
         f = n["forecast"]
-        return (f"  step {steps:>5}/{self.steps}  {n['tps']:7.0f} tok/s  resident {f.resident_buffers:,}"
-                f"/{f.limit:,}  {max(0.0, f.buffers_per_step):+.3g}/step  crash: {n['crash']}  "
-                f"leak sites: {n['sites']}")
+        return (
+            f"  step {steps:>5}/{self.steps}  {n['tps']:7.0f} tok/s  resident {f.resident_buffers:,}"
+            f"/{f.limit:,}  {max(0.0, f.buffers_per_step):+.3g}/step  crash: {n['crash']}  "
+            f"leak sites: {n['sites']}"
+        )
 
     def _table(self, watchdog, steps: int, elapsed: float):
         from rich.table import Table
@@ -414,4 +485,3 @@ class _View:
         if watchdog.fix:
             table.add_row("fix", f"{watchdog.materialized_arrays:,} pending cache arrays materialized")
         return table
-

@@ -142,18 +142,31 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
-from .common import (EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, add_max_tokens, add_output_flags,
-                         consoles, deprecated_alias, local_model_problem, looks_local, positive_int,
-                         print_json)
+from .common import (
+    EXIT_LEAK,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    add_max_tokens,
+    add_output_flags,
+    consoles,
+    deprecated_alias,
+    local_model_problem,
+    looks_local,
+    positive_int,
+    print_json,
+)
 
 DESCRIPTION = (
     "Decode a model through mlx-lm's plain and/or batched path with the watchdog, then again with "
     "the fix, and report: leak rate per site, the step at which this device's buffer limit is "
     "reached, whether the fix removes the leak with identical tokens, the watchdog's overhead, "
-    "and the command that serves the model with the fix. Exit status 0 no leak, 1 leak, 2 error.")
+    "and the command that serves the model with the fix. Exit status 0 no leak, 1 leak, 2 error."
+)
 
 SCHEMA = "mlx-watchdog.diagnose/1"
 LIMIT_SCHEMA = "mlx-watchdog.to-the-limit/1"
@@ -177,34 +190,73 @@ EXIT_GRACE_SECONDS = 15.0  # after the child reported its end (a wedged Metal qu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--model", metavar="PATH_OR_HF_ID",
-                        help="local model folder or Hugging Face id for mlx_lm.load (required, "
-                             "except with --to-the-limit, which defaults to the demo's tiny model)")
-    parser.add_argument("--path", choices=(*PATHS, "both"), default="both",
-                        help="mlx-lm's batched path (BatchGenerator), its plain path "
-                             "(generate_step), or both (default: %(default)s; --to-the-limit: batched)")
+    parser.add_argument(
+        "--model",
+        metavar="PATH_OR_HF_ID",
+        help="local model folder or Hugging Face id for mlx_lm.load (required, "
+        "except with --to-the-limit, which defaults to the demo's tiny model)",
+    )
+    parser.add_argument(
+        "--path",
+        choices=(*PATHS, "both"),
+        default="both",
+        help="mlx-lm's batched path (BatchGenerator), its plain path "
+        "(generate_step), or both (default: %(default)s; --to-the-limit: batched)",
+    )
     deprecated_alias(parser, "--batch", "--path batched", "path", nargs=0, const="batched")
     deprecated_alias(parser, "--plain", "--path plain", "path", nargs=0, const="plain")
-    parser.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, metavar="N",
-                        help="sequences on the batched path (default: %(default)s)")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help="sequences on the batched path (default: %(default)s)",
+    )
     add_max_tokens(parser, DEFAULT_STEPS, "decode steps (tokens per sequence) of each pass")
-    parser.add_argument("-p", "--prompt", action="append", metavar="TEXT",
-                        help="prompt text (repeat for several; the batched path cycles through "
-                             "them; equal lengths are the case that leaks)")
-    parser.add_argument("--limit", type=positive_int, default=None, metavar="N",
-                        help="buffer limit (default: the device's Metal resource limit, else 499000)")
+    parser.add_argument(
+        "-p",
+        "--prompt",
+        action="append",
+        metavar="TEXT",
+        help="prompt text (repeat for several; the batched path cycles through "
+        "them; equal lengths are the case that leaks)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="buffer limit (default: the device's Metal resource limit, else 499000)",
+    )
     add_output_flags(parser, "schema in `pydoc mlx_watchdog.diagnose`")
     group = parser.add_argument_group("--to-the-limit: check the forecast against a real failure")
-    group.add_argument("--to-the-limit", action="store_true",
-                       help="decode in a child process until the real Metal resource-limit error "
-                            "(or, with --limit N, the watchdog's estimate crossing N) and compare "
-                            "with the forecast made at 1%% of the run")
-    group.add_argument("--max-steps", type=positive_int, default=DEFAULT_MAX_STEPS, metavar="M",
-                       help="step cap of the child (default: %(default)s)")
-    group.add_argument("--model-type", default="qwen3_next", metavar="TYPE",
-                       help="without --model: the tiny model's type (default: %(default)s)")
-    group.add_argument("--layers", type=positive_int, default=12, metavar="N",
-                       help="without --model: the tiny model's layers (default: %(default)s)")
+    group.add_argument(
+        "--to-the-limit",
+        action="store_true",
+        help="decode in a child process until the real Metal resource-limit error "
+        "(or, with --limit N, the watchdog's estimate crossing N) and compare "
+        "with the forecast made at 1%% of the run",
+    )
+    group.add_argument(
+        "--max-steps",
+        type=positive_int,
+        default=DEFAULT_MAX_STEPS,
+        metavar="M",
+        help="step cap of the child (default: %(default)s)",
+    )
+    group.add_argument(
+        "--model-type",
+        default="qwen3_next",
+        metavar="TYPE",
+        help="without --model: the tiny model's type (default: %(default)s)",
+    )
+    group.add_argument(
+        "--layers",
+        type=positive_int,
+        default=12,
+        metavar="N",
+        help="without --model: the tiny model's layers (default: %(default)s)",
+    )
     group.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     # Test hook: the child aborts at the crossing (like an uncaught Metal error) without a report.
     group.add_argument("--crash-at-limit", action="store_true", help=argparse.SUPPRESS)
@@ -227,12 +279,22 @@ def run(args: argparse.Namespace) -> int:
     prompts = encode_prompts(tokenizer, args.prompt)
     paths = selected_paths(args)
     if not args.json:
-        console.print(f"mlx-watchdog diagnose: {args.model} ({info['model_type']}), "
-                      f"paths: {', '.join(paths)}, {args.max_tokens} decode steps per pass")
+        console.print(
+            f"mlx-watchdog diagnose: {args.model} ({info['model_type']}), "
+            f"paths: {', '.join(paths)}, {args.max_tokens} decode steps per pass"
+        )
     with PassProgress(progress_console, log=None if args.json else console.print) as progress:
-        report = diagnose_model(model, prompts, paths=paths, steps=args.max_tokens, limit=args.limit,
-                                batch_size=args.batch_size, model_spec=args.model,
-                                model_type=info["model_type"], progress=progress)
+        report = diagnose_model(
+            model,
+            prompts,
+            paths=paths,
+            steps=args.max_tokens,
+            limit=args.limit,
+            batch_size=args.batch_size,
+            model_spec=args.model,
+            model_type=info["model_type"],
+            progress=progress,
+        )
     if args.plot:
         from . import plot
 
@@ -256,18 +318,30 @@ class PassProgress:
     terminal, else one line per pass through ``log`` (None: quiet). ``start(title, steps)``
     begins a pass and returns its ``on_step`` for ``decode_pass``."""
 
-    def __init__(self, console, log: Optional[Callable[[str], Any]] = None):
+    def __init__(self, console, log: Callable[[str], Any] | None = None):
         self.console, self.log = console, log
         self._progress = None
         if console.is_terminal:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
-            self._progress = Progress(TextColumn("{task.description}"), BarColumn(),
-                                      MofNCompleteColumn(), TextColumn("steps"), TimeElapsedColumn(),
-                                      TimeRemainingColumn(), console=console)
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("steps"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=console,
+            )
 
-    def __enter__(self) -> "PassProgress":
+    def __enter__(self) -> PassProgress:
         if self._progress is not None:
             self._progress.start()
         return self
@@ -277,7 +351,7 @@ class PassProgress:
             self._progress.stop()
         return False
 
-    def start(self, title: str, steps: int) -> Optional[Callable[[int, Any, float], bool]]:
+    def start(self, title: str, steps: int) -> Callable[[int, Any, float], bool] | None:
         if self._progress is None:
             if self.log is not None:
                 self.log(f"  {title}...")
@@ -293,6 +367,7 @@ class PassProgress:
 
 
 # --------------------------------------------------------------------------- loading
+
 
 def load_model(spec: str):
     """``mlx_lm.load(spec)`` with errors a user can act on. Returns (model, tokenizer, info)."""
@@ -310,8 +385,10 @@ def load_model(spec: str):
         model, tokenizer = mlx_lm.load(target)
     except ValueError as exc:
         if "not supported" in str(exc).lower():
-            raise UsageError(f"unknown model type {model_type or '?'!r} in {spec}: mlx-lm "
-                             f"{_version('mlx-lm')} does not support it ({exc})") from exc
+            raise UsageError(
+                f"unknown model type {model_type or '?'!r} in {spec}: mlx-lm "
+                f"{_version('mlx-lm')} does not support it ({exc})"
+            ) from exc
         raise UsageError(f"cannot load model {spec}: {exc}") from exc
     except Exception as exc:  # hub errors, missing weights, bad safetensors
         raise UsageError(f"cannot load model {spec}: {type(exc).__name__}: {exc}") from exc
@@ -319,7 +396,7 @@ def load_model(spec: str):
     return model, tokenizer, info
 
 
-def _config_model_type(path: Path) -> Optional[str]:
+def _config_model_type(path: Path) -> str | None:
     try:
         return str(json.loads(path.read_text()).get("model_type")) or None
     except Exception:
@@ -340,7 +417,7 @@ def _version(dist: str) -> str:
         return "?"
 
 
-def encode_prompts(tokenizer, texts: Optional[Sequence[str]]) -> list[list[int]]:
+def encode_prompts(tokenizer, texts: Sequence[str] | None) -> list[list[int]]:
     texts = list(texts) if texts else [DEFAULT_PROMPT]
     prompts = []
     for text in texts:
@@ -352,6 +429,7 @@ def encode_prompts(tokenizer, texts: Optional[Sequence[str]]) -> list[list[int]]
 
 
 # --------------------------------------------------------------------------- decoding
+
 
 @dataclasses.dataclass
 class PassResult:
@@ -402,8 +480,14 @@ def _plain_steps(model, prompt: list[int], steps: int) -> Iterator[list[tuple[in
         yield [(0, int(token))]
 
 
-def decode_pass(model, path: str, prompts: list[list[int]], steps: int, watchdog,
-                on_step: Optional[Callable[[int, Any, float], bool]] = None) -> PassResult:
+def decode_pass(
+    model,
+    path: str,
+    prompts: list[list[int]],
+    steps: int,
+    watchdog,
+    on_step: Callable[[int, Any, float], bool] | None = None,
+) -> PassResult:
     """Decode ``steps`` steps watched by ``watchdog``. ``on_step(step, watchdog, elapsed)`` runs
     after each decode step; returning True ends the pass. A ``ResourceLimitForecast`` raised by
     the watchdog ends it too (``result.stopped``)."""
@@ -463,26 +547,43 @@ def batch_prompts(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
 
 # --------------------------------------------------------------------------- the report
 
-def _finite(x: float) -> Optional[float]:
+
+def _finite(x: float) -> float | None:
     return None if x is None or math.isinf(x) or math.isnan(x) else float(x)
 
 
 def _leaks(forecast) -> list[dict]:
-    return [{"site": leak.site, "buffers_per_step": round(leak.buffers_per_step, 4),
-             "buffers": int(leak.buffers), "paths": list(leak.paths), "cut_by_fix": leak.cut,
-             "source": leak.source}
-            for leak in forecast.leaks]
+    return [
+        {
+            "site": leak.site,
+            "buffers_per_step": round(leak.buffers_per_step, 4),
+            "buffers": int(leak.buffers),
+            "paths": list(leak.paths),
+            "cut_by_fix": leak.cut,
+            "source": leak.source,
+        }
+        for leak in forecast.leaks
+    ]
 
 
-def diagnose_model(model, prompts: list[list[int]], *, paths: Sequence[str], steps: int,
-                   limit: Optional[int], batch_size: int, model_spec: str, model_type: str,
-                   progress: Optional[PassProgress] = None) -> dict:
+def diagnose_model(
+    model,
+    prompts: list[list[int]],
+    *,
+    paths: Sequence[str],
+    steps: int,
+    limit: int | None,
+    batch_size: int,
+    model_spec: str,
+    model_type: str,
+    progress: PassProgress | None = None,
+) -> dict:
     """Run each path unfixed then fixed; return the report (the JSON object of the docstring)."""
     import mlx.core as mx
 
     from .. import __version__
-    from ..core.watchdog import Watchdog
     from ..core.limits import device_name, device_resource_limit
+    from ..core.watchdog import Watchdog
 
     if steps <= 0:
         raise UsageError(f"--max-tokens must be a positive integer, got {steps}")
@@ -493,18 +594,22 @@ def diagnose_model(model, prompts: list[list[int]], *, paths: Sequence[str], ste
         for fix in (False, True):
             on_step = None
             if progress is not None:
-                on_step = progress.start(f"{path} path, {'Watchdog(fix=True)' if fix else 'watch only'}, "
-                                         f"{len(path_prompts)} sequence(s)", steps)
+                on_step = progress.start(
+                    f"{path} path, {'Watchdog(fix=True)' if fix else 'watch only'}, "
+                    f"{len(path_prompts)} sequence(s)",
+                    steps,
+                )
             # fix_every=1: the diagnosis asks whether cutting every step removes the growth.
-            watchdog = Watchdog(limit, name=f"diagnose-{path}{'-fixed' if fix else ''}",
-                                fix=fix, fix_every=1, export=False)
+            watchdog = Watchdog(
+                limit, name=f"diagnose-{path}{'-fixed' if fix else ''}", fix=fix, fix_every=1, export=False
+            )
             results[fix] = decode_pass(model, path, path_prompts, steps, watchdog, on_step)
         runs.append(_run_entry(results[False], results[True]))
     limit_value = runs[0]["_limit"] if runs else (limit or 0)
     for entry in runs:
         entry.pop("_limit")
     leak = any(r["leak"] for r in runs)
-    sites = sorted({l["site"] for r in runs if r["leak"] for l in r["leaks"]})
+    sites = sorted({leak["site"] for r in runs if r["leak"] for leak in r["leaks"]})
     leaking = [r for r in runs if r["leak"]]
     fix_ok = all(r["fix"]["removes_leak"] for r in leaking) if leaking else None
     return {
@@ -513,16 +618,16 @@ def diagnose_model(model, prompts: list[list[int]], *, paths: Sequence[str], ste
         "model_type": model_type,
         "device": device_name(),
         "limit": int(limit_value),
-        "limit_source": "--limit" if limit is not None else (
-            "device" if device_resource_limit() else "default"),
+        "limit_source": "--limit"
+        if limit is not None
+        else ("device" if device_resource_limit() else "default"),
         "steps": steps,
         "leak": leak,
         "leak_sites": sites,
         "fix_removes_leak": fix_ok,
         "fix_command": f"mlx-watchdog serve --fix -- --model {shlex.quote(model_spec)}",
         "exit_status": EXIT_LEAK if leak else EXIT_OK,
-        "versions": {"mlx": mx.__version__, "mlx_lm": _version("mlx-lm"),
-                     "mlx_watchdog": __version__},
+        "versions": {"mlx": mx.__version__, "mlx_lm": _version("mlx-lm"), "mlx_watchdog": __version__},
         "runs": runs,
     }
 
@@ -531,7 +636,7 @@ def _run_entry(plain: PassResult, fixed: PassResult) -> dict:
     f, g = plain.forecast, fixed.forecast
     tokens = sum(len(t) for t in plain.tokens)
     growth = max(0.0, f.buffers_per_step)
-    leak = growth >= LEAK_MIN_GROWTH or any(l.buffers_per_step >= LEAK_MIN_GROWTH for l in f.leaks)
+    leak = growth >= LEAK_MIN_GROWTH or any(site.buffers_per_step >= LEAK_MIN_GROWTH for site in f.leaks)
     fixed_growth = max(0.0, g.buffers_per_step)
     identical = plain.tokens == fixed.tokens
     return {
@@ -550,7 +655,8 @@ def _run_entry(plain: PassResult, fixed: PassResult) -> dict:
         "steps_to_limit": _finite(f.steps_to_limit),
         "seconds_to_limit": _finite(f.seconds_to_limit),
         "watchdog_overhead": round(plain.watchdog.overhead_seconds / plain.seconds, 5)
-        if plain.seconds > 0 else 0.0,
+        if plain.seconds > 0
+        else 0.0,
         "readings": plain.readings,
         "fix": {
             "buffers_per_step": round(fixed_growth, 4),
@@ -560,18 +666,19 @@ def _run_entry(plain: PassResult, fixed: PassResult) -> dict:
             "materialized_arrays": int(fixed.watchdog.materialized_arrays),
             "decode_seconds": round(fixed.seconds, 4),
             "watchdog_overhead": round(fixed.watchdog.overhead_seconds / fixed.seconds, 5)
-            if fixed.seconds > 0 else 0.0,
+            if fixed.seconds > 0
+            else 0.0,
             "readings": fixed.readings,
         },
         "_limit": f.limit,
     }
 
 
-def _count(x: Optional[float]) -> str:
+def _count(x: float | None) -> str:
     return "never" if x is None else f"{x:,.0f}"
 
 
-def _duration(seconds: Optional[float]) -> str:
+def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "never"
     if seconds < 120:
@@ -584,57 +691,94 @@ def _duration(seconds: Optional[float]) -> str:
 def render_report(report: dict, console) -> None:
     from rich.table import Table
 
-    console.print(f"device: {report['device']}; limit: {report['limit']:,} buffers "
-                  f"({report['limit_source']})")
+    console.print(
+        f"device: {report['device']}; limit: {report['limit']:,} buffers ({report['limit_source']})"
+    )
     table = Table(title=None, show_lines=False)
-    for column in ("path", "batch", "tok/s", "growth/step", "crash at step", "in", "leak sites",
-                   "fix: growth", "tokens", "overhead"):
+    for column in (
+        "path",
+        "batch",
+        "tok/s",
+        "growth/step",
+        "crash at step",
+        "in",
+        "leak sites",
+        "fix: growth",
+        "tokens",
+        "overhead",
+    ):
         table.add_column(column)
     for r in report["runs"]:
-        sites = ", ".join(f"{l['site']} +{l['buffers_per_step']:.3g}" for l in r["leaks"]) or "-"
-        table.add_row(r["path"], str(r["batch_size"]), f"{r['tokens_per_second']:.0f}",
-                      f"{r['buffers_per_step']:+.3g}", _count(r["limit_step"]),
-                      _duration(r["seconds_to_limit"]), sites, f"{r['fix']['buffers_per_step']:+.3g}",
-                      "identical" if r["fix"]["tokens_identical"] else "DIFFER",
-                      f"{100 * r['watchdog_overhead']:.1f}%")
+        sites = ", ".join(f"{leak['site']} +{leak['buffers_per_step']:.3g}" for leak in r["leaks"]) or "-"
+        table.add_row(
+            r["path"],
+            str(r["batch_size"]),
+            f"{r['tokens_per_second']:.0f}",
+            f"{r['buffers_per_step']:+.3g}",
+            _count(r["limit_step"]),
+            _duration(r["seconds_to_limit"]),
+            sites,
+            f"{r['fix']['buffers_per_step']:+.3g}",
+            "identical" if r["fix"]["tokens_identical"] else "DIFFER",
+            f"{100 * r['watchdog_overhead']:.1f}%",
+        )
     console.print(table)
     for r in report["runs"]:
         fix = r["fix"]
         if r["leak"]:
             top = r["leaks"][0] if r["leaks"] else None
-            where = (f"{top['site']} (+{top['buffers_per_step']:.3g} buffers/step, e.g. "
-                     f"{', '.join(top['paths'][:3]) or 'no path'})") if top else "no single site"
-            console.print(f"LEAK on the {r['path']} path: +{r['buffers_per_step']:.3g} buffers/step, "
-                          f"site {where}.")
-            for l in r["leaks"]:
-                if l.get("source"):
-                    console.print(f"  {l['site']} is rebound at {l['source']}")
-            console.print(f"  at the limit of {report['limit']:,} buffers a generation like this "
-                          f"one crashes after {_count(r['limit_step'])} tokens per sequence "
-                          f"({_count(r['steps_to_limit'])} steps / {_duration(r['seconds_to_limit'])} "
-                          f"after this run).")
+            where = (
+                (
+                    f"{top['site']} (+{top['buffers_per_step']:.3g} buffers/step, e.g. "
+                    f"{', '.join(top['paths'][:3]) or 'no path'})"
+                )
+                if top
+                else "no single site"
+            )
+            console.print(
+                f"LEAK on the {r['path']} path: +{r['buffers_per_step']:.3g} buffers/step, site {where}."
+            )
+            for leak in r["leaks"]:
+                if leak.get("source"):
+                    console.print(f"  {leak['site']} is rebound at {leak['source']}")
+            console.print(
+                f"  at the limit of {report['limit']:,} buffers a generation like this "
+                f"one crashes after {_count(r['limit_step'])} tokens per sequence "
+                f"({_count(r['steps_to_limit'])} steps / {_duration(r['seconds_to_limit'])} "
+                f"after this run)."
+            )
             verdict = "removes it" if fix["removes_leak"] else "does NOT remove it"
-            console.print(f"  the fix (Watchdog(fix=True)) {verdict}: growth "
-                          f"{fix['buffers_per_step']:+.3g}/step, tokens "
-                          f"{'identical' if fix['tokens_identical'] else 'DIFFERENT'} "
-                          f"({fix['compared_tokens']} compared).")
+            console.print(
+                f"  the fix (Watchdog(fix=True)) {verdict}: growth "
+                f"{fix['buffers_per_step']:+.3g}/step, tokens "
+                f"{'identical' if fix['tokens_identical'] else 'DIFFERENT'} "
+                f"({fix['compared_tokens']} compared)."
+            )
         else:
-            console.print(f"no leak on the {r['path']} path: {r['buffers_per_step']:+.3g} buffers/step "
-                          f"over {r['decode_steps']} steps; with the fix "
-                          f"{fix['buffers_per_step']:+.3g}/step, tokens "
-                          f"{'identical' if fix['tokens_identical'] else 'DIFFERENT'}.")
-        console.print(f"  watchdog overhead (self-timed): {100 * r['watchdog_overhead']:.2f}% "
-                      f"watching, {100 * fix['watchdog_overhead']:.2f}% with the fix.")
+            console.print(
+                f"no leak on the {r['path']} path: {r['buffers_per_step']:+.3g} buffers/step "
+                f"over {r['decode_steps']} steps; with the fix "
+                f"{fix['buffers_per_step']:+.3g}/step, tokens "
+                f"{'identical' if fix['tokens_identical'] else 'DIFFERENT'}."
+            )
+        console.print(
+            f"  watchdog overhead (self-timed): {100 * r['watchdog_overhead']:.2f}% "
+            f"watching, {100 * fix['watchdog_overhead']:.2f}% with the fix."
+        )
     if report["leak"]:
-        console.print(f"Leak found ({', '.join(report['leak_sites']) or 'unattributed growth'}). "
-                      f"Serve this model with the fix:")
+        console.print(
+            f"Leak found ({', '.join(report['leak_sites']) or 'unattributed growth'}). "
+            f"Serve this model with the fix:"
+        )
         console.print(f"  {report['fix_command']}")
     else:
-        console.print("No leak found. To serve it watched anyway: "
-                      f"{report['fix_command'].replace(' --fix', '')}")
+        console.print(
+            f"No leak found. To serve it watched anyway: {report['fix_command'].replace(' --fix', '')}"
+        )
 
 
 # --------------------------------------------------------------------------- --to-the-limit
+
 
 def to_the_limit(args: argparse.Namespace, console, progress_console=None) -> int:
     """Run the decode in a child process until it fails; compare with the forecast at 1%."""
@@ -646,11 +790,13 @@ def to_the_limit(args: argparse.Namespace, console, progress_console=None) -> in
     if args.limit is None and not metal:
         raise UsageError(
             f"this backend ({mx.default_device()}) has no buffer resource limit to run into: pass "
-            "--limit N, and the run ends where the watchdog's measured estimate crosses N")
+            "--limit N, and the run ends where the watchdog's measured estimate crosses N"
+        )
     if args.model is None:
         if args.model_type not in tiny.MODEL_TYPES:
-            raise UsageError(f"unknown --model-type {args.model_type!r}; choose one of "
-                             f"{', '.join(tiny.MODEL_TYPES)}")
+            raise UsageError(
+                f"unknown --model-type {args.model_type!r}; choose one of {', '.join(tiny.MODEL_TYPES)}"
+            )
         model_label = f"embedded:{args.model_type}"
     else:
         problem = local_model_problem(args.model)
@@ -659,24 +805,40 @@ def to_the_limit(args: argparse.Namespace, console, progress_console=None) -> in
         model_label = args.model
     path = selected_paths(args)[0]
     config = {
-        "model": args.model, "model_type": args.model_type, "layers": args.layers, "seed": args.seed,
-        "path": path, "batch_size": args.batch_size if path == "batched" else 1,
-        "prompts": args.prompt, "limit": args.limit, "max_steps": args.max_steps,
+        "model": args.model,
+        "model_type": args.model_type,
+        "layers": args.layers,
+        "seed": args.seed,
+        "path": path,
+        "batch_size": args.batch_size if path == "batched" else 1,
+        "prompts": args.prompt,
+        "limit": args.limit,
+        "max_steps": args.max_steps,
         "crash_at_limit": bool(args.crash_at_limit),
     }
     if not args.json:
-        ends = (f"the watchdog's measured estimate crosses --limit {args.limit:,}" if args.limit
-                else "the real Metal resource-limit error")
-        console.print(f"mlx-watchdog diagnose --to-the-limit: {model_label}, {path} path; a child "
-                      f"process decodes until {ends} (cap {args.max_steps:,} steps)")
+        ends = (
+            f"the watchdog's measured estimate crosses --limit {args.limit:,}"
+            if args.limit
+            else "the real Metal resource-limit error"
+        )
+        console.print(
+            f"mlx-watchdog diagnose --to-the-limit: {model_label}, {path} path; a child "
+            f"process decodes until {ends} (cap {args.max_steps:,} steps)"
+        )
     bar = None
     if progress_console is not None and progress_console.is_terminal:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         # The total is the forecast limit step, known once the child has measured a rate.
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("steps to the forecast limit"), TimeElapsedColumn(),
-                       console=progress_console)
+        bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps to the forecast limit"),
+            TimeElapsedColumn(),
+            console=progress_console,
+        )
     if bar is not None:
         with bar:
             outcome = _run_child(config, console, quiet=True, bar=bar)
@@ -694,7 +856,7 @@ def to_the_limit(args: argparse.Namespace, console, progress_console=None) -> in
 class _ChildOutcome:
     records: list  # (step, resident, limit_step or None)
     events: list  # the child's event dicts
-    returncode: Optional[int]
+    returncode: int | None
     stderr_tail: str
     stalled: bool = False
 
@@ -704,13 +866,14 @@ def _run_child(config: dict, console, quiet: bool, bar=None) -> _ChildOutcome:
     line every 5 s on ``console`` unless ``quiet``."""
     command = [sys.executable, "-m", "mlx_watchdog.commands.diagnose", "--child", json.dumps(config)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    lines: "queue.Queue[Optional[str]]" = queue.Queue()
+    lines: queue.Queue[str | None] = queue.Queue()
     records: list = []
     events: list = []
     stalled = False
     with tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace") as stderr:
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                 env=env, bufsize=1)
+        child = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, bufsize=1
+        )
         reader = threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True)
         reader.start()
         try:
@@ -735,7 +898,7 @@ def _run_child(config: dict, console, quiet: bool, bar=None) -> _ChildOutcome:
                     continue
                 last_seen = time.monotonic()
                 try:
-                    message = json.loads(line[len(CHILD_TAG):])
+                    message = json.loads(line[len(CHILD_TAG) :])
                 except ValueError:
                     continue
                 if "s" in message:
@@ -743,13 +906,19 @@ def _run_child(config: dict, console, quiet: bool, bar=None) -> _ChildOutcome:
                     if bar is not None:
                         if not bar.tasks:
                             bar.add_task("child decoding", total=None)
-                        bar.update(bar.tasks[0].id, completed=message["s"], total=message["ls"],
-                                   description=f"child: resident ~{message['r']:,} buffers")
+                        bar.update(
+                            bar.tasks[0].id,
+                            completed=message["s"],
+                            total=message["ls"],
+                            description=f"child: resident ~{message['r']:,} buffers",
+                        )
                     if not quiet and time.monotonic() - last_print > 5.0:
                         last_print = time.monotonic()
                         forecast = _count(message["ls"])
-                        console.print(f"  child: step {message['s']:,}, resident ~{message['r']:,} "
-                                      f"buffers, forecast limit step {forecast}")
+                        console.print(
+                            f"  child: step {message['s']:,}, resident ~{message['r']:,} "
+                            f"buffers, forecast limit step {forecast}"
+                        )
                 else:
                     events.append(message)
                     if message.get("event") in ("limit", "cap", "error", "resource_limit", "done"):
@@ -769,7 +938,7 @@ def _run_child(config: dict, console, quiet: bool, bar=None) -> _ChildOutcome:
     return _ChildOutcome(records, events, child.returncode, tail, stalled)
 
 
-def _pump(stream, lines: "queue.Queue[Optional[str]]") -> None:
+def _pump(stream, lines: queue.Queue[str | None]) -> None:
     try:
         for line in stream:
             lines.put(line.rstrip("\n"))
@@ -789,37 +958,49 @@ def _failure(outcome: _ChildOutcome, config: dict) -> dict:
         if kind == "cap":
             return {"kind": "step_cap", "step": None, "error": None}
         if kind == "done":
-            return {"kind": "child_died", "step": None,
-                    "error": "the decode ended before the limit (the model stopped generating)"}
+            return {
+                "kind": "child_died",
+                "step": None,
+                "error": "the decode ended before the limit (the model stopped generating)",
+            }
         if kind == "error":
             return {"kind": "child_died", "step": None, "error": event.get("error")}
     # No end reported: the child died in a step (an uncaught Metal error aborts the process).
     error = _resource_error_line(outcome.stderr_tail)
     if outcome.stalled:
-        return {"kind": "stalled", "step": None,
-                "error": f"no step finished for {STALL_SECONDS:.0f} s; the child was killed"}
+        return {
+            "kind": "stalled",
+            "step": None,
+            "error": f"no step finished for {STALL_SECONDS:.0f} s; the child was killed",
+        }
     if error is not None and last_step is not None:
         return {"kind": "resource_limit_error", "step": last_step + 1, "error": error}
-    return {"kind": "child_died", "step": None,
-            "error": f"exit status {outcome.returncode}: "
-                     f"{outcome.stderr_tail.strip().splitlines()[-1] if outcome.stderr_tail.strip() else 'no message'}"}
+    return {
+        "kind": "child_died",
+        "step": None,
+        "error": f"exit status {outcome.returncode}: "
+        f"{outcome.stderr_tail.strip().splitlines()[-1] if outcome.stderr_tail.strip() else 'no message'}",
+    }
 
 
-def _resource_error_line(text: str) -> Optional[str]:
+def _resource_error_line(text: str) -> str | None:
     for line in text.splitlines():
         if "Resource limit" in line:
             return line.strip()
     return None
 
 
-def forecast_at(records: list, fail_step: int, percent: float) -> Optional[dict]:
+def forecast_at(records: list, fail_step: int, percent: float) -> dict | None:
     """The first finite forecast made at or after ``percent`` % of ``fail_step``."""
     target = fail_step * percent / 100.0
     for step, _, limit_step in records:
         if step >= target and limit_step is not None:
-            return {"made_at_step": int(step), "made_at_percent": round(100.0 * step / fail_step, 3),
-                    "limit_step": float(limit_step),
-                    "error_percent": round(100.0 * (limit_step - fail_step) / fail_step, 4)}
+            return {
+                "made_at_step": int(step),
+                "made_at_percent": round(100.0 * step / fail_step, 3),
+                "limit_step": float(limit_step),
+                "error_percent": round(100.0 * (limit_step - fail_step) / fail_step, 4),
+            }
     return None
 
 
@@ -836,8 +1017,14 @@ def _limit_report(outcome: _ChildOutcome, config: dict, model_label: str, path: 
             point = forecast_at(outcome.records, fail_step, percent)
             if point is not None:
                 checkpoints.append({"percent": percent, **point})
-        first = next((c for c in checkpoints if c["percent"] == FORECAST_PERCENT
-                      and c["made_at_percent"] <= FORECAST_PERCENT_MAX), None)
+        first = next(
+            (
+                c
+                for c in checkpoints
+                if c["percent"] == FORECAST_PERCENT and c["made_at_percent"] <= FORECAST_PERCENT_MAX
+            ),
+            None,
+        )
     if usage_error is not None:
         status = EXIT_USAGE
     elif first is not None:
@@ -852,8 +1039,9 @@ def _limit_report(outcome: _ChildOutcome, config: dict, model_label: str, path: 
         "limit": int(start.get("limit") or config["limit"] or resolve_limit(None)),
         "limit_source": "--limit" if config["limit"] is not None else "metal",
         "failure": failure,
-        "forecast": None if first is None else {k: first[k] for k in
-                                                ("made_at_step", "made_at_percent", "limit_step")},
+        "forecast": None
+        if first is None
+        else {k: first[k] for k in ("made_at_step", "made_at_percent", "limit_step")},
         "error_percent": None if first is None else first["error_percent"],
         "checkpoints": checkpoints,
         "steps_recorded": len(outcome.records),
@@ -865,39 +1053,56 @@ def _limit_report(outcome: _ChildOutcome, config: dict, model_label: str, path: 
 def _render_limit_report(report: dict, console) -> None:
     failure, child = report["failure"], report["child"]
     status = child["exit_status"]
-    how = ("exited normally" if status == 0 else
-           f"was killed by signal {-status}" if status is not None and status < 0 else
-           f"exited with status {status}")
+    how = (
+        "exited normally"
+        if status == 0
+        else f"was killed by signal {-status}"
+        if status is not None and status < 0
+        else f"exited with status {status}"
+    )
     console.print(f"child process {how}; it streamed {report['steps_recorded']:,} step records.")
     if failure["kind"] == "resource_limit_error":
         console.print(f"real failure at step {failure['step']:,}: {failure['error']}")
     elif failure["kind"] == "estimate_crossed_limit":
-        console.print(f"failing step: {failure['step']:,} (the watchdog's measured estimate crossed "
-                      f"the limit of {report['limit']:,} buffers; this backend has no real limit)")
+        console.print(
+            f"failing step: {failure['step']:,} (the watchdog's measured estimate crossed "
+            f"the limit of {report['limit']:,} buffers; this backend has no real limit)"
+        )
     elif failure["kind"] == "step_cap":
-        console.print("the child reached --max-steps without failing: nothing to compare the "
-                      "forecast with (no leak on this path, or raise --max-steps).")
+        console.print(
+            "the child reached --max-steps without failing: nothing to compare the "
+            "forecast with (no leak on this path, or raise --max-steps)."
+        )
     else:
         console.print(f"the child ended without a failing step ({failure['kind']}): {failure['error']}")
         if child["stderr_tail"].strip():
-            console.print("  its last error output:\n    " +
-                          "\n    ".join(child["stderr_tail"].strip().splitlines()[-5:]))
+            console.print(
+                "  its last error output:\n    "
+                + "\n    ".join(child["stderr_tail"].strip().splitlines()[-5:])
+            )
     forecast = report["forecast"]
     if forecast is not None:
-        console.print(f"forecast made at step {forecast['made_at_step']:,} "
-                      f"({forecast['made_at_percent']:.2g}% of the run): limit at step "
-                      f"{forecast['limit_step']:,.0f}; actual failing step {failure['step']:,}; "
-                      f"error {report['error_percent']:+.3f}%")
+        console.print(
+            f"forecast made at step {forecast['made_at_step']:,} "
+            f"({forecast['made_at_percent']:.2g}% of the run): limit at step "
+            f"{forecast['limit_step']:,.0f}; actual failing step {failure['step']:,}; "
+            f"error {report['error_percent']:+.3f}%"
+        )
         for point in report["checkpoints"][1:]:
-            console.print(f"  at {point['percent']:g}% (step {point['made_at_step']:,}): forecast "
-                          f"{point['limit_step']:,.0f}, error {point['error_percent']:+.3f}%")
+            console.print(
+                f"  at {point['percent']:g}% (step {point['made_at_step']:,}): forecast "
+                f"{point['limit_step']:,.0f}, error {point['error_percent']:+.3f}%"
+            )
     elif failure["step"]:
-        console.print(f"the watchdog had no forecast by {FORECAST_PERCENT_MAX:g}% of the run (step "
-                      f"{failure['step'] * FORECAST_PERCENT_MAX / 100:.0f}): too few steps to "
-                      "measure a rate by then; raise --limit.")
+        console.print(
+            f"the watchdog had no forecast by {FORECAST_PERCENT_MAX:g}% of the run (step "
+            f"{failure['step'] * FORECAST_PERCENT_MAX / 100:.0f}): too few steps to "
+            "measure a rate by then; raise --limit."
+        )
 
 
 # --------------------------------------------------------------------------- the child
+
 
 def _emit(message: dict) -> None:
     try:
@@ -912,8 +1117,8 @@ def _child_main(config: dict) -> int:
     import mlx.core as mx
 
     from .. import tiny
-    from ..core.watchdog import Watchdog
     from ..core.limits import device_name
+    from ..core.watchdog import Watchdog
 
     try:
         if config["model"] is None:
@@ -922,8 +1127,13 @@ def _child_main(config: dict) -> int:
         else:
             model, tokenizer, _ = load_model(config["model"])
             prompts = batch_prompts(encode_prompts(tokenizer, config["prompts"]), config["batch_size"])
-        watchdog = Watchdog(config["limit"], name="to-the-limit", export=False,
-                            overhead_budget=CHILD_OVERHEAD_BUDGET, walk_interval=0)
+        watchdog = Watchdog(
+            config["limit"],
+            name="to-the-limit",
+            export=False,
+            overhead_budget=CHILD_OVERHEAD_BUDGET,
+            walk_interval=0,
+        )
     except (UsageError, ValueError) as exc:
         _emit({"event": "error", "usage": True, "error": str(exc)})
         return EXIT_USAGE
@@ -938,8 +1148,7 @@ def _child_main(config: dict) -> int:
         forecast = wd.forecast()
         if step == 1:
             offset[0] = wd.steps - 1  # forward passes of the prefill: records are in decode steps
-        record = {"s": step, "r": forecast.resident_buffers,
-                  "ls": _finite(forecast.limit_step - offset[0])}
+        record = {"s": step, "r": forecast.resident_buffers, "ls": _finite(forecast.limit_step - offset[0])}
         # Walk every step at first (the chains are short, the walks cheap): the forecast at 1% of
         # a short run must rest on measurements, not on a walk budget that is still filling up.
         wd.overhead_budget = 1.0 if step < CHILD_DENSE_STEPS else CHILD_OVERHEAD_BUDGET
@@ -949,8 +1158,10 @@ def _child_main(config: dict) -> int:
                 wd.overhead_budget = 1.0
             if forecast.measured_step == forecast.step and forecast.resident_buffers >= limit:
                 if config["crash_at_limit"]:
-                    sys.stderr.write(f"[metal::malloc] Resource limit ({limit}) exceeded "
-                                     f"(simulated by --crash-at-limit at step {step})\n")
+                    sys.stderr.write(
+                        f"[metal::malloc] Resource limit ({limit}) exceeded "
+                        f"(simulated by --crash-at-limit at step {step})\n"
+                    )
                     sys.stderr.flush()
                     os.abort()
                 _emit(record)
@@ -979,8 +1190,11 @@ def _child_main(config: dict) -> int:
 
 def _child_entry(argv: Sequence[str]) -> int:
     if len(argv) != 2 or argv[0] != "--child":
-        print("usage: python -m mlx_watchdog.commands.diagnose --child CONFIG_JSON (used by "
-              "`mlx-watchdog diagnose --to-the-limit`; run that instead)", file=sys.stderr)
+        print(
+            "usage: python -m mlx_watchdog.commands.diagnose --child CONFIG_JSON (used by "
+            "`mlx-watchdog diagnose --to-the-limit`; run that instead)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     return _child_main(json.loads(argv[1]))
 

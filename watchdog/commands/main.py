@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from .. import __version__
-from .common import (EXIT_INTERRUPTED, EXIT_LEAK, EXIT_OK, EXIT_USAGE, PROG, UsageError,  # noqa: F401
-                         split_server_argv)
+from .common import EXIT_INTERRUPTED, EXIT_LEAK, EXIT_OK, EXIT_USAGE, PROG, UsageError, split_server_argv  # noqa: F401
 
 SERVE_USAGE = f"{PROG} serve [watchdog options] -- [mlx_lm.server arguments]"
 
@@ -44,7 +43,7 @@ def build_parser(load_serve: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Watch MLX decodes for the lazy-graph buffer leaks that end in "
-                    "`[metal::malloc] Resource limit (499000) exceeded`: see, name, forecast, fix.",
+        "`[metal::malloc] Resource limit (499000) exceeded`: see, name, forecast, fix.",
         epilog="`mlx-watchdog COMMAND --help` describes each command.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -53,18 +52,21 @@ def build_parser(load_serve: bool = True) -> argparse.ArgumentParser:
 
     from . import demo, diagnose, scan  # light: they import MLX only when they run
 
-    _register(commands, "demo", demo,
-              "watch a tiny random-weight hybrid model leak live, then fix it (no download)")
-    _register(commands, "diagnose", diagnose,
-              "measure a model's leak, forecast the crash, check the fix")
-    _register(commands, "scan", scan,
-              "build every mlx-lm architecture tiny, decode it watched, name its leaks")
+    _register(
+        commands, "demo", demo, "watch a tiny random-weight hybrid model leak live, then fix it (no download)"
+    )
+    _register(commands, "diagnose", diagnose, "measure a model's leak, forecast the crash, check the fix")
+    _register(
+        commands, "scan", scan, "build every mlx-lm architecture tiny, decode it watched, name its leaks"
+    )
 
     serve_parser = commands.add_parser(
-        "serve", help="run mlx_lm.server with every model watched (server options after `--`)",
+        "serve",
+        help="run mlx_lm.server with every model watched (server options after `--`)",
         usage=SERVE_USAGE,
         description="Run mlx_lm.server in this process with every model it loads watched. "
-                    "Everything after `--` goes to mlx_lm.server.")
+        "Everything after `--` goes to mlx_lm.server.",
+    )
     if load_serve:
         serve_module, problem = _import_serve()
         if serve_module is not None:
@@ -89,7 +91,8 @@ def _usage_error(command: str, message: str) -> int:
 
 # --------------------------------------------------------------------------- main
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, server_argv = split_server_argv(argv)
@@ -97,17 +100,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args, unknown = parser.parse_known_args(ours)
         if unknown and args.command == "serve":
-            return _usage_error("serve", f"unrecognized arguments: {' '.join(unknown)}; mlx_lm.server's "
-                                f"own arguments go after `--`: {PROG} serve [watchdog options] -- "
-                                f"{' '.join(unknown)}")
+            return _usage_error(
+                "serve",
+                f"unrecognized arguments: {' '.join(unknown)}; mlx_lm.server's "
+                f"own arguments go after `--`: {PROG} serve [watchdog options] -- "
+                f"{' '.join(unknown)}",
+            )
         if unknown:
             parser.parse_args(ours)  # argparse's own message and usage (exits 2)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
 
     if args.command != "serve" and server_argv:
-        return _usage_error(args.command, f"arguments after `--` ({' '.join(server_argv)}) are "
-                            "passed to mlx_lm.server; only `serve` takes them")
+        return _usage_error(
+            args.command,
+            f"arguments after `--` ({' '.join(server_argv)}) are "
+            "passed to mlx_lm.server; only `serve` takes them",
+        )
     try:
         if args.command == "serve":
             return _run_serve(args, server_argv)

@@ -19,7 +19,6 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Optional
 
 from .common import PLOT_SUFFIXES, UsageError
 
@@ -37,8 +36,9 @@ def require() -> None:
         raise UsageError(MISSING) from None
 
 
-def _fitted(readings: list, rate: float, limit_step: Optional[float], limit: float
-            ) -> Optional[tuple[float, float]]:
+def _fitted(
+    readings: list, rate: float, limit_step: float | None, limit: float
+) -> tuple[float, float] | None:
     """A (step, resident) the growth line goes through: the forecast crash on the limit when the
     pass grows (so the line meets the limit where the forecast says), else the last reading."""
     if rate > 0 and limit_step is not None and math.isfinite(limit_step):
@@ -58,7 +58,7 @@ def _sites(run: dict) -> str:
     leaks = run.get("leaks") or []
     if not leaks:
         return "no leak site"
-    text = ", ".join(f"{l['site']} +{l['buffers_per_step']:.3g}/step" for l in leaks[:TOP_SITES])
+    text = ", ".join(f"{leak['site']} +{leak['buffers_per_step']:.3g}/step" for leak in leaks[:TOP_SITES])
     return text + (f", +{len(leaks) - TOP_SITES} more" if len(leaks) > TOP_SITES else "")
 
 
@@ -82,13 +82,15 @@ def figure(report: dict):
 def _passes(run: dict):
     """(readings, rate, crash step, colour, name) of the watched and the fixed pass."""
     fix = run["fix"]
-    return ((run["readings"], run["buffers_per_step"], run.get("limit_step"), WATCHED, "watched"),
-            (fix["readings"], fix["buffers_per_step"], fix.get("limit_step"), FIXED, "with the fix"))
+    return (
+        (run["readings"], run["buffers_per_step"], run.get("limit_step"), WATCHED, "watched"),
+        (fix["readings"], fix["buffers_per_step"], fix.get("limit_step"), FIXED, "with the fix"),
+    )
 
 
 def _measured(ax, run: dict, limit: float) -> None:
     steps = max(1, int(run["decode_steps"]))
-    for readings, rate, crash, color, name in _passes(run):
+    for readings, rate, crash, color, _name in _passes(run):
         label = f"watched: {_sites(run)}" if color == WATCHED else "Watchdog(fix=True)"
         if readings:
             xs, ys = zip(*readings)
@@ -97,8 +99,9 @@ def _measured(ax, run: dict, limit: float) -> None:
         if anchor is not None:
             xs, ys = _line(anchor, rate, 0, steps)
             ax.plot(xs, ys, "-", color=color, linewidth=1.2, label=f"fit {rate:+.3g} buffers/step")
-    ax.set_title(f"{run['path']} path, batch {run['batch_size']}: {steps:,} decode steps measured",
-                 fontsize=10)
+    ax.set_title(
+        f"{run['path']} path, batch {run['batch_size']}: {steps:,} decode steps measured", fontsize=10
+    )
     ax.set_xlabel("decode step")
     ax.set_ylabel("resident buffers")
     ax.legend(fontsize=7, loc="best")
@@ -121,8 +124,9 @@ def _forecast(ax, run: dict, limit: float) -> None:
         xs, ys = _line(anchor, rate, 0, stop)
         ax.plot(xs, ys, "-", color=color, linewidth=1.5, label=f"{label}: {rate:+.3g}/step")
     if crash is not None and math.isfinite(crash):
-        ax.axvline(crash, color=WATCHED, linestyle=":", linewidth=1.2,
-                   label=f"forecast crash: step {crash:,.0f}")
+        ax.axvline(
+            crash, color=WATCHED, linestyle=":", linewidth=1.2, label=f"forecast crash: step {crash:,.0f}"
+        )
     ax.axvspan(0, steps, color="#dddddd", alpha=0.5, label="measured")
     ax.set_xlim(0, end)
     ax.set_ylim(0, limit * 1.08)
@@ -131,8 +135,7 @@ def _forecast(ax, run: dict, limit: float) -> None:
     thousands = FuncFormatter(lambda value, _: f"{value:,.0f}")
     ax.xaxis.set_major_formatter(thousands)
     ax.yaxis.set_major_formatter(thousands)
-    ax.set_title("forecast to the limit" + ("" if crash is not None else ": never reached"),
-                 fontsize=10)
+    ax.set_title("forecast to the limit" + ("" if crash is not None else ": never reached"), fontsize=10)
     ax.set_xlabel("decode step")
     ax.legend(fontsize=7, loc="lower right")
     ax.grid(alpha=0.3)
@@ -151,7 +154,7 @@ def save(report: dict, path: str) -> str:
     return path
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
         print("usage: python -m mlx_watchdog.plot REPORT.json FILE.png|FILE.svg", file=sys.stderr)

@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
 
 from .common import EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, positive_int
 
@@ -67,30 +67,60 @@ DESCRIPTION = (
     "watched, and report per family and path: the leak per token, the leaking sites and the "
     "source line that rebinds each, the step at which the 499,000-buffer limit is reached, and "
     "whether Watchdog(fix=True) cures it with identical tokens. Families that cannot be built are "
-    "listed with their error.")
+    "listed with their error."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("families", nargs="*", metavar="FAMILY",
-                        help="mlx_lm.models module names (default: every family installed)")
-    parser.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS, metavar="N",
-                        help="decode steps per path (default: %(default)s)")
-    parser.add_argument("--layers", type=positive_int, default=None, metavar="N",
-                        help="layers of every model (default: its ModelArgs default, else 24)")
-    parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), metavar="P,P",
-                        help=f"paths to decode, of {', '.join(PATHS)} (default: %(default)s)")
+    parser.add_argument(
+        "families",
+        nargs="*",
+        metavar="FAMILY",
+        help="mlx_lm.models module names (default: every family installed)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=DEFAULT_STEPS,
+        metavar="N",
+        help="decode steps per path (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="layers of every model (default: its ModelArgs default, else 24)",
+    )
+    parser.add_argument(
+        "--paths",
+        default=",".join(DEFAULT_PATHS),
+        metavar="P,P",
+        help=f"paths to decode, of {', '.join(PATHS)} (default: %(default)s)",
+    )
     parser.add_argument("--quantized", action="store_true", help="also decode with a quantized KV cache")
     parser.add_argument("--no-fix", action="store_true", help="do not check the fix on leaking paths")
-    parser.add_argument("--jobs", type=positive_int, default=1, metavar="N",
-                        help="families scanned at once, one process each (default: %(default)s)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
-                        help="seconds per family before it is stopped (default: %(default)s)")
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="families scanned at once, one process each (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        metavar="S",
+        help="seconds per family before it is stopped (default: %(default)s)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document (on stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress display (on stderr)")
     parser.add_argument("--markdown", metavar="FILE", help="also write the table as markdown to FILE")
     parser.add_argument("--fail-on-leak", action="store_true", help="exit 1 when any path leaks")
-    parser.add_argument("--fail-on-error", action="store_true",
-                        help="exit 1 when any family fails to build or to decode")
+    parser.add_argument(
+        "--fail-on-error", action="store_true", help="exit 1 when any family fails to build or to decode"
+    )
     return parser
 
 
@@ -98,13 +128,20 @@ def options_from(args: argparse.Namespace) -> dict:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     unknown = [p for p in paths if p not in PATHS]
     if unknown or not paths:
-        raise UsageError(f"--paths: unknown path(s) {', '.join(unknown) or '(none)'}; choose of {', '.join(PATHS)}")
+        raise UsageError(
+            f"--paths: unknown path(s) {', '.join(unknown) or '(none)'}; choose of {', '.join(PATHS)}"
+        )
     if args.quantized and "quantized" not in paths:
         paths.append("quantized")
     if not args.timeout > 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout}")
-    return {"steps": args.steps, "layers": args.layers, "paths": paths, "fix": not args.no_fix,
-            "limit": LIMIT}
+    return {
+        "steps": args.steps,
+        "layers": args.layers,
+        "paths": paths,
+        "fix": not args.no_fix,
+        "limit": LIMIT,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,15 +170,23 @@ def run(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- the parent
 
+
 class _Job:
     def __init__(self, name: str, options: dict):
         self.name = name
         self.out = tempfile.TemporaryFile(mode="w+")
         self.err = tempfile.TemporaryFile(mode="w+")
-        command = [sys.executable, "-m", "mlx_watchdog.commands.scan", CHILD_FLAG, json.dumps({"family": name, **options})]
+        command = [
+            sys.executable,
+            "-m",
+            "mlx_watchdog.commands.scan",
+            CHILD_FLAG,
+            json.dumps({"family": name, **options}),
+        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-        self.process = subprocess.Popen(command, stdout=self.out, stderr=self.err, env=env,
-                                        stdin=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            command, stdout=self.out, stderr=self.err, env=env, stdin=subprocess.DEVNULL
+        )
         self.started = time.perf_counter()
 
     def result(self, timed_out: bool) -> dict:
@@ -169,8 +214,14 @@ def _failed(name: str, status: str, error: str, seconds: float = 0.0) -> dict:
     return {"family": name, "status": status, "error": error, "layers": None, "seconds": seconds, "runs": []}
 
 
-def scan(names: Sequence[str], options: dict, *, jobs: int = 1, timeout: float = DEFAULT_TIMEOUT,
-         progress: bool = True) -> list[dict]:
+def scan(
+    names: Sequence[str],
+    options: dict,
+    *,
+    jobs: int = 1,
+    timeout: float = DEFAULT_TIMEOUT,
+    progress: bool = True,
+) -> list[dict]:
     """Scan each family in a child process of its own, ``jobs`` at once; results in ``names``' order."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -179,8 +230,16 @@ def scan(names: Sequence[str], options: dict, *, jobs: int = 1, timeout: float =
     queue = list(names)
     running: list[_Job] = []
     console = Console(file=sys.stderr)
-    display = Progress(TextColumn("[bold]scan"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                       TextColumn("{task.description}"), console=console, disable=not progress, transient=False)
+    display = Progress(
+        TextColumn("[bold]scan"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        disable=not progress,
+        transient=False,
+    )
     with display:
         task = display.add_task("", total=len(queue))
         try:
@@ -192,8 +251,17 @@ def scan(names: Sequence[str], options: dict, *, jobs: int = 1, timeout: float =
     return [results[name] for name in names]
 
 
-def _drive(queue: list, running: list, results: dict, options: dict, jobs: int, timeout: float,
-           display, task, progress: bool) -> None:
+def _drive(
+    queue: list,
+    running: list,
+    results: dict,
+    options: dict,
+    jobs: int,
+    timeout: float,
+    display,
+    task,
+    progress: bool,
+) -> None:
     """Start children while fewer than ``jobs`` run; collect each as it ends or runs out of time."""
     while queue or running:
         while queue and len(running) < jobs:
@@ -211,8 +279,9 @@ def _drive(queue: list, running: list, results: dict, options: dict, jobs: int, 
             display.advance(task)
             if progress:
                 display.console.print(_progress_line(result), markup=False, highlight=False)
-        display.update(task, description=" ".join(f"{j.name} {time.perf_counter() - j.started:.0f}s"
-                                                  for j in running))
+        display.update(
+            task, description=" ".join(f"{j.name} {time.perf_counter() - j.started:.0f}s" for j in running)
+        )
 
 
 def _progress_line(result: dict) -> str:
@@ -220,12 +289,16 @@ def _progress_line(result: dict) -> str:
         return f"  {result['family']:<22} {result['status'].upper()}: {result['error'][:100]}"
     parts = []
     for run in result["runs"]:
-        parts.append(f"{run['path']} error" if run.get("error") else
-                     f"{run['path']} {run['buffers_per_step']:+.3g}")
-    return f"  {result['family']:<22} {result['layers']} layers, {result['seconds']:.0f} s: {', '.join(parts)}"
+        parts.append(
+            f"{run['path']} error" if run.get("error") else f"{run['path']} {run['buffers_per_step']:+.3g}"
+        )
+    return (
+        f"  {result['family']:<22} {result['layers']} layers, {result['seconds']:.0f} s: {', '.join(parts)}"
+    )
 
 
 # --------------------------------------------------------------------------- the report
+
 
 def _children_cpu() -> float:
     """CPU seconds of the child processes ended so far (what a scan costs on an idle machine)."""
@@ -251,22 +324,35 @@ def build_report(results: list[dict], options: dict, seconds: float, cpu_seconds
     path_errors = [f"{r['family']}:{run['path']}" for r in ok for run in r["runs"] if run.get("error")]
     return {
         "schema": SCHEMA,
-        "versions": {"mlx": mx.__version__, "mlx_lm": importlib.metadata.version("mlx-lm"),
-                     "mlx_watchdog": __version__},
+        "versions": {
+            "mlx": mx.__version__,
+            "mlx_lm": importlib.metadata.version("mlx-lm"),
+            "mlx_watchdog": __version__,
+        },
         "options": options,
         "seconds": round(seconds, 1),
         "cpu_seconds": round(cpu_seconds, 1),  # of the children: over N idle cores it takes about this / N
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "summary": {"families": len(results), "built": len(ok), "leaking": leaking, "failed": failed,
-                    "path_errors": path_errors},
+        "summary": {
+            "families": len(results),
+            "built": len(ok),
+            "leaking": leaking,
+            "failed": failed,
+            "path_errors": path_errors,
+        },
         "families": results,
     }
 
 
 def _sites(run: dict) -> str:
     # No line seen rebinding the site: the growth is not from a rebinding (a measurement to doubt).
-    return "; ".join(f"{l['site']} +{l['buffers_per_step']:.3g} @ " + (l.get("source") or "no rebinding seen")
-                     for l in run["leaks"]) or "-"
+    return (
+        "; ".join(
+            f"{leak['site']} +{leak['buffers_per_step']:.3g} @ " + (leak.get("source") or "no rebinding seen")
+            for leak in run["leaks"]
+        )
+        or "-"
+    )
 
 
 def _crash(run: dict) -> str:
@@ -291,8 +377,17 @@ def rows(report: dict) -> list[tuple[str, ...]]:
             if run.get("error"):
                 out.append((r["family"], str(r["layers"]), run["path"], "error", "-", run["error"][:80], "-"))
             else:
-                out.append((r["family"], str(r["layers"]), run["path"], f"{run['buffers_per_step']:+.3g}",
-                            _crash(run), _sites(run), _fix(run)))
+                out.append(
+                    (
+                        r["family"],
+                        str(r["layers"]),
+                        run["path"],
+                        f"{run['buffers_per_step']:+.3g}",
+                        _crash(run),
+                        _sites(run),
+                        _fix(run),
+                    )
+                )
     return out
 
 
@@ -318,22 +413,28 @@ def render(report: dict, file=None) -> None:
         for r in failed:
             console.print(f"  {r['family']}: {r['status']}: {r['error']}")
     s = report["summary"]
-    console.print(f"{s['built']} of {s['families']} families built and decoded in {report['seconds']:.0f} s; "
-                  f"leaking: {', '.join(s['leaking']) or 'none'}")
+    console.print(
+        f"{s['built']} of {s['families']} families built and decoded in {report['seconds']:.0f} s; "
+        f"leaking: {', '.join(s['leaking']) or 'none'}"
+    )
 
 
-def markdown(report: dict, command: Optional[str] = None) -> str:
+def markdown(report: dict, command: str | None = None) -> str:
     """The report as markdown: what ran, the table, what could not be scanned."""
     s, v = report["summary"], report["versions"]
     lines = ["# mlx-watchdog scan", ""]
     if command:
         lines += [f"Command: `{command}`", ""]
-    lines += [f"Date: {report.get('date', '?')}; mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, mlx-watchdog "
-              f"{v['mlx_watchdog']}; {report['options']['steps']} decode steps per path; "
-              f"{report['seconds']:.0f} s in all, {report.get('cpu_seconds', 0):.0f} CPU seconds of the "
-              f"family processes.", "",
-              f"{s['built']} of {s['families']} families built and decoded; leaking: "
-              f"{', '.join(s['leaking']) or 'none'}.", ""]
+    lines += [
+        f"Date: {report.get('date', '?')}; mlx {v['mlx']}, mlx-lm {v['mlx_lm']}, mlx-watchdog "
+        f"{v['mlx_watchdog']}; {report['options']['steps']} decode steps per path; "
+        f"{report['seconds']:.0f} s in all, {report.get('cpu_seconds', 0):.0f} CPU seconds of the "
+        f"family processes.",
+        "",
+        f"{s['built']} of {s['families']} families built and decoded; leaking: "
+        f"{', '.join(s['leaking']) or 'none'}.",
+        "",
+    ]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows(report)]
     failed = [r for r in report["families"] if r["status"] != "ok"]
@@ -344,6 +445,7 @@ def markdown(report: dict, command: Optional[str] = None) -> str:
 
 
 # --------------------------------------------------------------------------- the child
+
 
 def _child(config: dict) -> dict:
     from ..tiny import families
@@ -374,19 +476,32 @@ def scan_path(model, path: str, steps: int, limit: int = LIMIT, fix: bool = True
     prompts = [p[:n] for p, n in zip(prompts, PROMPT_LENGTHS[path])]
 
     def watched(fixing: bool):
-        watchdog = Watchdog(limit, fix=fixing, fix_every=1, export=False, overhead_budget=0.25, walk_interval=0)
+        watchdog = Watchdog(
+            limit, fix=fixing, fix_every=1, export=False, overhead_budget=0.25, walk_interval=0
+        )
         tokens, offset = decode(model, path, prompts, steps, watchdog)
         return watchdog, tokens, offset
 
     watchdog, tokens, offset = watched(False)
     f = watchdog.forecast()
     rate = max(0.0, f.buffers_per_step)
-    leak = rate >= LEAK_MIN_GROWTH or any(l.buffers_per_step >= LEAK_MIN_GROWTH for l in f.leaks)
+    leak = rate >= LEAK_MIN_GROWTH or any(site.buffers_per_step >= LEAK_MIN_GROWTH for site in f.leaks)
     entry = {
-        "path": path, "steps": max(len(t) for t in tokens.values()), "sequences": len(tokens),
-        "leak": bool(leak), "buffers_per_step": round(rate, 3),
-        "leaks": [{"site": l.site, "buffers_per_step": round(l.buffers_per_step, 3), "buffers": l.buffers,
-                   "paths": list(l.paths[:4]), "source": l.source} for l in f.leaks],
+        "path": path,
+        "steps": max(len(t) for t in tokens.values()),
+        "sequences": len(tokens),
+        "leak": bool(leak),
+        "buffers_per_step": round(rate, 3),
+        "leaks": [
+            {
+                "site": leak.site,
+                "buffers_per_step": round(leak.buffers_per_step, 3),
+                "buffers": leak.buffers,
+                "paths": list(leak.paths[:4]),
+                "source": leak.source,
+            }
+            for leak in f.leaks
+        ],
         "resident_buffers": f.resident_buffers,
         "limit_step": None if f.steps_to_limit == float("inf") else round(f.limit_step - offset),
         "fix": None,
@@ -396,8 +511,11 @@ def scan_path(model, path: str, steps: int, limit: int = LIMIT, fix: bool = True
         g = fixed.forecast()
         growth = max(0.0, g.buffers_per_step)
         identical = fixed_tokens == tokens
-        entry["fix"] = {"buffers_per_step": round(growth, 3), "tokens_identical": identical,
-                        "cures": bool(identical and growth < LEAK_MIN_GROWTH)}
+        entry["fix"] = {
+            "buffers_per_step": round(growth, 3),
+            "tokens_identical": identical,
+            "cures": bool(identical and growth < LEAK_MIN_GROWTH),
+        }
     return entry
 
 
@@ -453,8 +571,10 @@ def _steps(model, path: str, prompts: list[list[int]], steps: int):
 
 def _child_entry(argv: Sequence[str]) -> int:
     if len(argv) != 2 or argv[0] != CHILD_FLAG:
-        print("usage: python -m mlx_watchdog.commands.scan --child CONFIG_JSON (used by `mlx-watchdog scan`)",
-              file=sys.stderr)
+        print(
+            "usage: python -m mlx_watchdog.commands.scan --child CONFIG_JSON (used by `mlx-watchdog scan`)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     result = _child(json.loads(argv[1]))

@@ -17,13 +17,31 @@ import inspect
 import signal
 import sys
 import threading
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..attach.server import ServerHooks
-from ..core.options import checked_fraction, checked_port, checked_positive_int, checked_steps, checked_walk_interval
+from ..core.options import (
+    checked_fraction,
+    checked_port,
+    checked_positive_int,
+    checked_steps,
+    checked_walk_interval,
+)
 from ..core.watchdog import Watchdog
-from .common import (EXIT_USAGE, PROG, UsageError, fraction, local_model_problem, port_number,
-                     port_problem, positive_int, seconds, split_server_argv, step_count)
+from .common import (
+    EXIT_USAGE,
+    PROG,
+    UsageError,
+    fraction,
+    local_model_problem,
+    port_number,
+    port_problem,
+    positive_int,
+    seconds,
+    split_server_argv,
+    step_count,
+)
 
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_METRICS_ADDR = "127.0.0.1"
@@ -33,6 +51,7 @@ SERVER_PROG = "mlx_lm.server"
 
 
 # --------------------------------------------------------------------------- arguments
+
 
 def default_metrics_port() -> int:
     """The exporter's default (9464, plus the rank in a distributed job) when it is installed."""
@@ -49,38 +68,81 @@ def default_metrics_port() -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the watchdog options of ``serve`` to ``parser`` (the server's own go after ``--``)."""
     group = parser.add_argument_group("watchdog")
-    group.add_argument("--fix", action=argparse.BooleanOptionalAction, default=False,
-                       help="materialize the pending cache arrays every --fix-every decode steps "
-                            f"({DEFAULTS['fix_every']} unless set), cutting the lazy chains that leak "
-                            "buffers; default: --no-fix, only watch")
-    group.add_argument("--fix-every", type=positive_int, default=DEFAULTS["fix_every"], metavar="N",
-                       help="run the fix every N decode steps (default: %(default)s)")
-    group.add_argument("--limit", type=positive_int, default=None, metavar="N",
-                       help="buffer limit to forecast against (default: the device's Metal "
-                            "resource limit, else 499000)")
-    group.add_argument("--warn-within", type=step_count, default=None, metavar="STEPS",
-                       help="log a warning when the limit is forecast within STEPS decode steps")
-    group.add_argument("--stop-within", type=step_count, default=None, metavar="STEPS",
-                       help="end the running requests (finish_reason \"resource_limit\") when the "
-                            "limit is forecast within STEPS decode steps; the server goes on")
-    group.add_argument("--overhead-budget", type=fraction, default=DEFAULTS["overhead_budget"],
-                       metavar="FRACTION",
-                       help="share of the decode's wall time the watchdog may spend measuring "
-                            "(default: %(default)s); raise it on a busy machine to measure more often")
-    group.add_argument("--walk-interval", type=seconds, default=DEFAULTS["walk_interval"], metavar="SECONDS",
-                       help="seconds of decode between two graph walks once a decode's first walks "
-                            "are done (default: 0.5, or longer where walks are dear, so that they "
-                            "take 0.1%% of decode time; 0: as often as the budget allows)")
-    group.add_argument("--adapt-prefill", action="store_true", default=False,
-                       help="shrink the server's prefill chunks to what the watchdog measures as safe "
-                            "(needs mlx_watchdog.prefill)")
-    group.add_argument("--metrics-port", type=port_number, default=default_metrics_port(), metavar="PORT",
-                       help="port of the Prometheus /metrics endpoint (default: %(default)s; "
-                            "0 picks a free one)")
-    group.add_argument("--metrics-addr", default=DEFAULT_METRICS_ADDR, metavar="ADDR",
-                       help="address the metrics endpoint binds (default: %(default)s, loopback only)")
-    group.add_argument("--no-metrics", action="store_true", default=False,
-                       help="do not serve metrics")
+    group.add_argument(
+        "--fix",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="materialize the pending cache arrays every --fix-every decode steps "
+        f"({DEFAULTS['fix_every']} unless set), cutting the lazy chains that leak "
+        "buffers; default: --no-fix, only watch",
+    )
+    group.add_argument(
+        "--fix-every",
+        type=positive_int,
+        default=DEFAULTS["fix_every"],
+        metavar="N",
+        help="run the fix every N decode steps (default: %(default)s)",
+    )
+    group.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="buffer limit to forecast against (default: the device's Metal resource limit, else 499000)",
+    )
+    group.add_argument(
+        "--warn-within",
+        type=step_count,
+        default=None,
+        metavar="STEPS",
+        help="log a warning when the limit is forecast within STEPS decode steps",
+    )
+    group.add_argument(
+        "--stop-within",
+        type=step_count,
+        default=None,
+        metavar="STEPS",
+        help='end the running requests (finish_reason "resource_limit") when the '
+        "limit is forecast within STEPS decode steps; the server goes on",
+    )
+    group.add_argument(
+        "--overhead-budget",
+        type=fraction,
+        default=DEFAULTS["overhead_budget"],
+        metavar="FRACTION",
+        help="share of the decode's wall time the watchdog may spend measuring "
+        "(default: %(default)s); raise it on a busy machine to measure more often",
+    )
+    group.add_argument(
+        "--walk-interval",
+        type=seconds,
+        default=DEFAULTS["walk_interval"],
+        metavar="SECONDS",
+        help="seconds of decode between two graph walks once a decode's first walks "
+        "are done (default: 0.5, or longer where walks are dear, so that they "
+        "take 0.1%% of decode time; 0: as often as the budget allows)",
+    )
+    group.add_argument(
+        "--adapt-prefill",
+        action="store_true",
+        default=False,
+        help="shrink the server's prefill chunks to what the watchdog measures as safe "
+        "(needs mlx_watchdog.prefill)",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=default_metrics_port(),
+        metavar="PORT",
+        help="port of the Prometheus /metrics endpoint (default: %(default)s; 0 picks a free one)",
+    )
+    group.add_argument(
+        "--metrics-addr",
+        default=DEFAULT_METRICS_ADDR,
+        metavar="ADDR",
+        help="address the metrics endpoint binds (default: %(default)s, loopback only)",
+    )
+    group.add_argument("--no-metrics", action="store_true", default=False, help="do not serve metrics")
     return parser
 
 
@@ -90,26 +152,29 @@ def build_parser(prog: str = "mlx-watchdog serve") -> argparse.ArgumentParser:
         usage=f"{prog} [watchdog options] -- [mlx_lm.server arguments]",
         description="Run mlx_lm.server with every model it loads watched by mlx-watchdog.",
         epilog="Everything after `--` goes to mlx_lm.server, e.g. "
-               "`-- --model PATH --host 127.0.0.1 --port 8080`.",
+        "`-- --model PATH --host 127.0.0.1 --port 8080`.",
     )
     return add_arguments(parser)
 
 
-def parse_args(argv: Sequence[str], parser: Optional[argparse.ArgumentParser] = None
-               ) -> tuple[argparse.Namespace, list[str]]:
+def parse_args(
+    argv: Sequence[str], parser: argparse.ArgumentParser | None = None
+) -> tuple[argparse.Namespace, list[str]]:
     """Parse ``[watchdog options] -- [server arguments]``; argparse exits (status 2) on bad input."""
     parser = parser or build_parser()
     ours, server_argv = split_server_argv(argv)
     args, unknown = parser.parse_known_args(ours)
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)} "
-                     "(mlx_lm.server's own arguments go after `--`)")
+        parser.error(
+            f"unrecognized arguments: {' '.join(unknown)} (mlx_lm.server's own arguments go after `--`)"
+        )
     return args, server_argv
 
 
 def watchdog_options(args: argparse.Namespace) -> dict:
     """The ``Watchdog`` keyword options from parsed arguments. Raises ``ValueError`` naming the
     option when a value is bad (for a Namespace built without the parser)."""
+
     def get(name, default=None):
         return getattr(args, name, default)
 
@@ -128,13 +193,15 @@ def watchdog_options(args: argparse.Namespace) -> dict:
         "fix_every": checked_positive_int(get("fix_every", DEFAULTS["fix_every"]), "--fix-every"),
         "warn_within": checked_steps(get("warn_within"), "--warn-within"),
         "stop_within": checked_steps(get("stop_within"), "--stop-within"),
-        "overhead_budget": checked_fraction(get("overhead_budget", DEFAULTS["overhead_budget"]),
-                                            "--overhead-budget"),
+        "overhead_budget": checked_fraction(
+            get("overhead_budget", DEFAULTS["overhead_budget"]), "--overhead-budget"
+        ),
         "walk_interval": interval,
     }
 
 
 # --------------------------------------------------------------------------- running
+
 
 def _start_metrics(args: argparse.Namespace):
     from ..exporters.prometheus import start_metrics_server
@@ -154,12 +221,14 @@ def preflight(cli_args: argparse.Namespace, host: str, port: int, metrics: Any =
             raise UsageError(f"{problem} (mlx_lm.server's --{flag.replace('_', '-')})")
     metrics_port = getattr(metrics, "port", None)
     if metrics_port == port:
-        raise UsageError(f"mlx_lm.server's --port {port} is the metrics port: choose another "
-                         "--port or --metrics-port")
+        raise UsageError(
+            f"mlx_lm.server's --port {port} is the metrics port: choose another --port or --metrics-port"
+        )
     problem = port_problem(host, port)
     if problem is not None:
-        raise UsageError(f"mlx_lm.server's --host/--port: {problem} (another server there? choose "
-                         "another --port)")
+        raise UsageError(
+            f"mlx_lm.server's --host/--port: {problem} (another server there? choose another --port)"
+        )
 
 
 class _Preflight:
@@ -196,7 +265,11 @@ def run(args: argparse.Namespace, server_argv: Sequence[str]) -> int:
     metrics = None
     if not getattr(args, "no_metrics", False):
         metrics = _start_metrics(args)
-        print(f"mlx-watchdog: metrics at {getattr(metrics, 'url', args.metrics_port)}", file=sys.stderr, flush=True)
+        print(
+            f"mlx-watchdog: metrics at {getattr(metrics, 'url', args.metrics_port)}",
+            file=sys.stderr,
+            flush=True,
+        )
     saved_argv = sys.argv
     restore_signal = _terminate_as_interrupt()
     try:
@@ -237,11 +310,12 @@ def _terminate_as_interrupt() -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m mlx_watchdog.serve [watchdog options] -- [mlx_lm.server arguments]``."""
     try:
-        args, server_argv = parse_args(sys.argv[1:] if argv is None else argv,
-                                       build_parser("python -m mlx_watchdog.serve"))
+        args, server_argv = parse_args(
+            sys.argv[1:] if argv is None else argv, build_parser("python -m mlx_watchdog.serve")
+        )
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return exc.code if isinstance(exc.code, int) else 2
     try:

@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import objects
-from .objects import ARRAY, ATOM, DICT, OBJECT, OPAQUE, SEQUENCE, SET, code_name, info
+from .objects import ARRAY, DICT, OBJECT, OPAQUE, SEQUENCE, SET, code_name, info
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -78,7 +78,9 @@ def scan(obj: Any, *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH
     return scan_all([(obj, "")], max_objects=max_objects, max_depth=max_depth)
 
 
-def scan_all(roots: list[tuple[Any, str]], *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH) -> Scan:
+def scan_all(
+    roots: list[tuple[Any, str]], *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH
+) -> Scan:
     """Walk several roots, each ``(object, path prefix)``, as one: an array reachable from two
     of them is found once. ``Found.root`` is the index of the root it was found from."""
     walk = _Walk(max_objects, max_depth)
@@ -103,8 +105,10 @@ class _Walk:
         found, seen, max_depth = self.found, set(), self.max_depth
         # Stack entries: (object, its type's info, path, site, steps, depth, root). Reversed
         # pushes keep natural order.
-        stack = [(obj, info(type(obj)), prefix, "root", (), 0, i)
-                 for i, (obj, prefix) in reversed(list(enumerate(roots)))]
+        stack = [
+            (obj, info(type(obj)), prefix, "root", (), 0, i)
+            for i, (obj, prefix) in reversed(list(enumerate(roots)))
+        ]
         while stack:
             value, t, path, site, steps, depth, root = stack.pop()
             kind = t.kind

@@ -19,18 +19,19 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import mlx.core as mx
 
-from .graph import is_evaluated
 from .arrays import MAX_SITE_LEN, follow
+from .graph import is_evaluated
 
 MAX_RECORDS = 256  # assignments noted before a probe ends itself (a step of a very deep model)
 _MISSING = object()
 # One probe per class at a time, whichever watchdog asks: two stacked hooks could not both be
 # taken off exactly.
-_active: dict[type, "SetattrProbe"] = {}
+_active: dict[type, SetattrProbe] = {}
 _active_lock = threading.Lock()
 
 
@@ -45,7 +46,7 @@ def short_path(filename: str) -> str:
     parts = os.path.abspath(filename).split(os.sep)
     for marker in ("site-packages", "dist-packages"):
         if marker in parts:
-            return "/".join(parts[len(parts) - parts[::-1].index(marker):])
+            return "/".join(parts[len(parts) - parts[::-1].index(marker) :])
     for path in sorted((p for p in sys.path if p), key=len, reverse=True):
         root = os.path.abspath(path) + os.sep
         if filename.startswith(root):
@@ -74,7 +75,7 @@ class SetattrProbe:
         self._lock = threading.Lock()
         self._hook = None
         self._saved: Any = _MISSING
-        self.error: Optional[str] = None
+        self.error: str | None = None
         self.busy = False  # not attached: another probe was on the class
 
     @property
@@ -141,7 +142,7 @@ class SetattrProbe:
             done(self)
 
     @property
-    def source(self) -> Optional[str]:
+    def source(self) -> str | None:
         """The line that rebound the attribute most often (the first one seen on a tie)."""
         if not self.records:
             return None
@@ -209,8 +210,12 @@ class Attribution:
         key = (leaks, len(self.sources))
         if self._annotated[:2] == key:
             return self._annotated[2]
-        out = tuple(dataclasses.replace(l, source=self.sources[l.site])
-                    if l.source is None and l.site in self.sources else l for l in leaks)
+        out = tuple(
+            dataclasses.replace(leak, source=self.sources[leak.site])
+            if leak.source is None and leak.site in self.sources
+            else leak
+            for leak in leaks
+        )
         self._annotated = (leaks, len(self.sources), out)
         return out
 
@@ -220,7 +225,7 @@ def _detach_all(probes: list) -> None:
         probe.detach()
 
 
-def _owner(site: str, found: Iterable, roots: Sequence[Any]) -> Optional[tuple[type, str]]:
+def _owner(site: str, found: Iterable, roots: Sequence[Any]) -> tuple[type, str] | None:
     """(class, attribute) of ``site``, from the first array found there: the object that holds
     the attribute (the last attribute step of its path), re-resolved without properties."""
     for f in found:

@@ -10,7 +10,8 @@ a cache joins or dies: readings of two versions are not points of one growth lin
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from . import objects
 from .objects import ARRAY, info
@@ -39,7 +40,7 @@ class Scope:
         ref = self._members.get(id(member))
         return id(member) in self._current and ref is not None and ref() is member
 
-    def ref(self, member: Any) -> Optional[weakref.ref]:
+    def ref(self, member: Any) -> weakref.ref | None:
         """The weak reference to ``member`` when it is followed."""
         ref = self._members.get(id(member))
         return ref if ref is not None and ref() is member else None
@@ -94,6 +95,7 @@ class Scope:
             if self._members.get(key) is ref:
                 del self._members[key]
                 self.version += 1
+
         return forget
 
 
@@ -111,7 +113,7 @@ def _container(t: objects.TypeInfo) -> bool:
     return t.base is list or t.base is tuple or t.cls is dict  # list and tuple subclasses too
 
 
-def _items(value: Any) -> Optional[list]:
+def _items(value: Any) -> list | None:
     """The items of a list, tuple or plain dict, read without their code (``objects.py``); None
     for anything else."""
     t = info(type(value))

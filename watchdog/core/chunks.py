@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -84,8 +85,9 @@ def fit_line(points: Sequence[tuple[float, float]], flat_spread: float = FLAT_SP
     return LineFit(float(intercept), float(slope), float(r2), len(x))
 
 
-def largest_safe_chunk(nodes: LineFit, buffers: LineFit, budget: float,
-                       ceiling: int = UNBOUNDED_TOKENS) -> int:
+def largest_safe_chunk(
+    nodes: LineFit, buffers: LineFit, budget: float, ceiling: int = UNBOUNDED_TOKENS
+) -> int:
     """The largest ``n`` in [0, ceiling] with ``nodes.at(n) + buffers.at(n) <= budget``."""
     intercept = nodes.intercept + buffers.intercept
     slope = nodes.slope + buffers.slope

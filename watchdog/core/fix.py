@@ -6,12 +6,13 @@ device work runs later, and the program waits on nothing it did not wait on befo
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
-from .graph import is_evaluated
 from .arrays import find_arrays, resolve, scan
+from .graph import is_evaluated
 
 PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
 # A probe costs a second walk. What the fix cuts per site changes when the program does, not every
@@ -92,11 +93,11 @@ class Fixer:
         self.probes = 0
         self.series_probes = 0  # probes since the series began
         self.walks_unprobed = 0  # walks since the last probe
-        self.probe: Optional[tuple] = None  # (step, buffers by site, step it ends)
+        self.probe: tuple | None = None  # (step, buffers by site, step it ends)
         self.last_step = 0
         self.fixed_once = False
-        self.paths: Optional[list[tuple]] = None  # every array's access steps, from the last walk
-        self.pending_paths: Optional[list[tuple]] = None  # (site, steps) of its pending arrays
+        self.paths: list[tuple] | None = None  # every array's access steps, from the last walk
+        self.pending_paths: list[tuple] | None = None  # (site, steps) of its pending arrays
 
     def reset(self, step: int) -> None:
         self.probe = None
@@ -115,7 +116,7 @@ class Fixer:
         self.walks_unprobed = 0
         self.probe = (step, buffers_by_site, step + PROBE_STEPS[self.probes % len(PROBE_STEPS)])
 
-    def end_probe(self, step: int) -> Optional[tuple]:
+    def end_probe(self, step: int) -> tuple | None:
         """The probe that ends at ``step``, if one does."""
         if self.probe is not None and step >= self.probe[2]:
             probe, self.probe = self.probe, None
@@ -125,8 +126,9 @@ class Fixer:
     def due(self, step: int, last_output: Any) -> bool:
         return self.probe is None and step - self.last_step >= self.every and evaluated_output(last_output)
 
-    def pending(self, roots: Any, walked_pending: Optional[list], growing: Optional[set],
-                sweep: bool = False) -> list[mx.array]:
+    def pending(
+        self, roots: Any, walked_pending: list | None, growing: set | None, sweep: bool = False
+    ) -> list[mx.array]:
         """The arrays to schedule now.
 
         Once the probes have measured the sites, those of the sites that grow: a pending array
@@ -138,14 +140,17 @@ class Fixer:
         that starts leaking after the last walk is cut within that many fixes."""
         self.fixes += 1
         sweep = sweep or self.fixes % FULL_SWEEP_FIXES == 0
-        wanted = (lambda site: growing is None or site in growing)
+
+        def wanted(site):
+            return growing is None or site in growing
+
         if walked_pending is not None and not sweep:
             return [a for site, a in walked_pending if wanted(site)]
         if self.pending_paths is not None and not sweep:
             return self.resolve(roots, [steps for site, steps in self.pending_paths if wanted(site)])
         return [a for a in self.resolve(roots) if not is_evaluated(a)]
 
-    def resolve(self, roots: Any, paths: Optional[list[tuple]] = None) -> list[mx.array]:
+    def resolve(self, roots: Any, paths: list[tuple] | None = None) -> list[mx.array]:
         """The arrays at the paths found by the last walk, re-read without a walk."""
         if paths is None:
             if self.paths is None:

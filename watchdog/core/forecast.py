@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -24,7 +24,7 @@ class Leak:
     cut: bool = False
     # Where the program rebinds the attribute, found once by a short probe (attribution.py):
     # "mlx_lm/models/cache.py:685 ArraysCache.advance"; None until found (or not findable).
-    source: Optional[str] = None
+    source: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +45,8 @@ class Forecast:
     retained_buffers: int = 0
     pending_graph_nodes: int = 0
     measured_step: int = 0  # the step of the last graph walk (later steps are extrapolated)
-    prefill_graph_nodes: Optional[int] = None
-    max_safe_prefill_tokens: Optional[int] = None
+    prefill_graph_nodes: int | None = None
+    max_safe_prefill_tokens: int | None = None
     rank: int = 0
     world_size: int = 1
     # False until two readings of one set of caches have measured the growth: buffers_per_step
@@ -63,14 +63,25 @@ class Forecast:
         return self.step + self.steps_to_limit
 
     def describe(self) -> str:
-        top = ", ".join(f"{l.site} +{l.buffers_per_step:.3g}/step" + (" (cut by the fix)" if l.cut else "")
-                        + (f" [{l.source}]" if l.source else "") for l in self.leaks[:3]) or "none"
+        top = (
+            ", ".join(
+                f"{leak.site} +{leak.buffers_per_step:.3g}/step"
+                + (" (cut by the fix)" if leak.cut else "")
+                + (f" [{leak.source}]" if leak.source else "")
+                for leak in self.leaks[:3]
+            )
+            or "none"
+        )
         if not self.rate_known:
-            return (f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, "
-                    "growth not measured yet")
+            return (
+                f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, growth not measured yet"
+            )
         idle = "" if self.decoding else "; not decoding now"
-        when = ("the limit is not approached" if math.isinf(self.steps_to_limit) else
-                f"limit in {_fmt(self.steps_to_limit)} steps ({_fmt(self.seconds_to_limit)} s)")
+        when = (
+            "the limit is not approached"
+            if math.isinf(self.steps_to_limit)
+            else f"limit in {_fmt(self.steps_to_limit)} steps ({_fmt(self.seconds_to_limit)} s)"
+        )
         return (
             f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, "
             f"{self.buffers_per_step:+.3g}/step, {when}{idle}; leak sites: {top}"
@@ -106,7 +117,7 @@ RECENT_SPAN = 32  # steps the latest epoch must span to be read alone...
 RECENT_POINTS = 5  # ...with at least this many readings
 
 
-def epoch_slope(points: Sequence[tuple[float, float, int]]) -> Optional[float]:
+def epoch_slope(points: Sequence[tuple[float, float, int]]) -> float | None:
     """Theil-Sen slope over the pairs of ``(step, value, epoch)`` points of one epoch each.
 
     A reading of another set of caches (a request joined, a cache died) is a jump, not growth:
@@ -158,7 +169,7 @@ def _split_level_shifts(y: np.ndarray, epoch: np.ndarray) -> np.ndarray:
         excess = rises - typical
         k = int(np.argmax(excess))
         if excess[k] > 0 and excess[k] >= 0.5 * excess.sum() and 2 <= k + 1 <= len(members) - 2:
-            labels[members[k + 1:]] = e + 0.5  # no epoch id is a half
+            labels[members[k + 1 :]] = e + 0.5  # no epoch id is a half
     return labels
 
 

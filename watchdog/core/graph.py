@@ -26,7 +26,7 @@ import queue
 import re
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
@@ -71,7 +71,7 @@ class _DeepWalker:
     """One daemon thread with a large stack that runs exports for any caller, one at a time."""
 
     def __init__(self) -> None:
-        self._jobs: "queue.Queue[tuple[Callable[[], str], list]]" = queue.Queue()
+        self._jobs: queue.Queue[tuple[Callable[[], str], list]] = queue.Queue()
         self.stack_bytes = 0
         self.cpu_seconds = 0.0  # this thread's CPU time in jobs (see cpu_clock)
         previous = threading.stack_size()
@@ -118,7 +118,7 @@ class _DeepWalker:
         return value
 
 
-_walker: Optional[_DeepWalker] = None
+_walker: _DeepWalker | None = None
 _walker_lock = threading.Lock()
 
 
@@ -145,12 +145,13 @@ class TooDeep(RuntimeError):
     """A graph that may be deeper than any stack we have would hold: not walked."""
 
 
-def export_dot(arrays: Sequence[mx.array], *, nodes_hint: Optional[int] = None) -> str:
+def export_dot(arrays: Sequence[mx.array], *, nodes_hint: int | None = None) -> str:
     """The DOT text of the graphs behind ``arrays`` (at most ``MAX_KEYWORDS`` of them).
 
     ``nodes_hint``: how many nodes the caller expects (None: unknown). Every walk runs on the
     big-stack worker (the hand-off costs ~20 us; a walk of a 48-layer cache ~300 us), so a
     chain deeper than predicted cannot overflow the caller's stack."""
+
     def job() -> str:
         capture = _Capture()
         mx.export_to_dot(capture, **{f"n{i}": a for i, a in enumerate(arrays)})
@@ -177,7 +178,7 @@ def is_evaluated(array: mx.array) -> bool:
         return False
 
 
-def account(arrays: Sequence[mx.array], *, nodes_hint: Optional[int] = None) -> GraphReading:
+def account(arrays: Sequence[mx.array], *, nodes_hint: int | None = None) -> GraphReading:
     """Walk the lazy graphs of ``arrays`` and attribute every retained buffer and node.
 
     MLX writes the graph in post-order, output by output: every node is written after its
@@ -191,7 +192,7 @@ def account(arrays: Sequence[mx.array], *, nodes_hint: Optional[int] = None) -> 
     done = [False] * n
     dot_bytes = 0
     for first in range(0, n, MAX_KEYWORDS):
-        batch = arrays[first:first + MAX_KEYWORDS]
+        batch = arrays[first : first + MAX_KEYWORDS]
         text = export_dot(batch, nodes_hint=nodes_hint)
         dot_bytes += len(text)
         since = 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import statistics
-from typing import Optional
 
 from . import forecast as fc
 
@@ -33,7 +32,7 @@ class SiteSeries:
         self.buffers = 0.0
         self.retained = 0.0
 
-    def probed_rate(self) -> Optional[float]:
+    def probed_rate(self) -> float | None:
         """What the fix cuts at this site per step, from the probes; None before the first probe.
 
         A leak only grows while the fix waits; a chain the program drains itself (a
@@ -55,11 +54,12 @@ class Growth:
         self.leaks: tuple[fc.Leak, ...] = ()
         self.rate = 0.0
         self.known = False  # two readings of one epoch have measured the rate
-        self.probed: Optional[float] = None  # what the fix cuts per step, over all sites
-        self.growing: Optional[set[str]] = None  # sites the probes saw grow; None: not probed yet
+        self.probed: float | None = None  # what the fix cuts per step, over all sites
+        self.growing: set[str] | None = None  # sites the probes saw grow; None: not probed yet
 
-    def record(self, step: int, epoch: int, sites: dict, sample: Optional[float],
-               probe_start: Optional[tuple]) -> None:
+    def record(
+        self, step: int, epoch: int, sites: dict, sample: float | None, probe_start: tuple | None
+    ) -> None:
         """One reading. ``sites``: site -> (held, retained, paths, arrays). ``sample``: the buffers
         to fit the rate on (None: no sample, e.g. an empty cache). ``probe_start``: the reading
         that began a fix-mode probe, whose growth per site this one ends."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -21,7 +21,7 @@ _COUNTER_NAMES = (
 )
 
 
-def _find_counter() -> tuple[Optional[str], Optional[Callable[[], int]]]:
+def _find_counter() -> tuple[str | None, Callable[[], int] | None]:
     for module_name, module in (("mx", mx), ("mx.metal", getattr(mx, "metal", None))):
         for name in _COUNTER_NAMES:
             fn = getattr(module, name, None) if module is not None else None
@@ -33,7 +33,7 @@ def _find_counter() -> tuple[Optional[str], Optional[Callable[[], int]]]:
 EXACT_COUNTER_NAME, EXACT_COUNTER = _find_counter()
 
 
-def device_resource_limit() -> Optional[int]:
+def device_resource_limit() -> int | None:
     """``mx.device_info()["resource_limit"]`` where the backend reports one (Metal)."""
     try:
         info = mx.device_info()

@@ -35,7 +35,8 @@ import re
 import sys
 import threading
 import types
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 
@@ -52,9 +53,20 @@ ATOM, OPAQUE, ARRAY, DICT, SEQUENCE, SET, OBJECT = range(7)
 # Values that cannot hold arrays, and code/library objects that are not data.
 _ATOMS = (str, bytes, bytearray, memoryview, int, float, complex, bool, range, type(None))
 _OPAQUE = (
-    type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-    types.BuiltinMethodType, types.CodeType, types.FrameType, types.GeneratorType,
-    types.CoroutineType, types.TracebackType, mx.Dtype, mx.Device, mx.Stream,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.BuiltinMethodType,
+    types.CodeType,
+    types.FrameType,
+    types.GeneratorType,
+    types.CoroutineType,
+    types.TracebackType,
+    mx.Dtype,
+    mx.Device,
+    mx.Stream,
 )
 # (base, its unbound snapshot function, its unbound len); a subclass is read as its base.
 _CONTAINERS = (
@@ -65,7 +77,11 @@ _CONTAINERS = (
     (set, SET, lambda s: list(set.__iter__(s)), set.__len__),
     (frozenset, SET, lambda s: list(frozenset.__iter__(s)), frozenset.__len__),
 )
-_GETITEM = {list: list.__getitem__, tuple: tuple.__getitem__, collections.deque: collections.deque.__getitem__}
+_GETITEM = {
+    list: list.__getitem__,
+    tuple: tuple.__getitem__,
+    collections.deque: collections.deque.__getitem__,
+}
 
 CODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}\Z")  # an attribute or key that names code
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,46}\Z")  # keeps "Class.attribute" within 80
@@ -81,20 +97,33 @@ _getattribute = object.__getattribute__
 class TypeInfo:
     """What the walk needs to know of one type, found once per type."""
 
-    __slots__ = ("cls", "kind", "name", "snapshot", "length", "base", "attrs_dict", "hidden_dict",
-                 "slots", "keys_are_names", "_candidates", "_names", "_checked")
+    __slots__ = (
+        "cls",
+        "kind",
+        "name",
+        "snapshot",
+        "length",
+        "base",
+        "attrs_dict",
+        "hidden_dict",
+        "slots",
+        "keys_are_names",
+        "_candidates",
+        "_names",
+        "_checked",
+    )
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
         self.name = code_name(_type_name(cls), _CLASS_NAME) or "<class>"
-        self.snapshot: Optional[Callable[[Any], list]] = None
-        self.length: Optional[Callable[[Any], int]] = None
-        self.base: Optional[type] = None
+        self.snapshot: Callable[[Any], list] | None = None
+        self.length: Callable[[Any], int] | None = None
+        self.base: type | None = None
         self.attrs_dict: Any = None  # the builtin descriptor of the instances' __dict__
         self.hidden_dict = False  # instances have a __dict__ that no builtin descriptor reaches
         self.slots: tuple = ()  # (name, member descriptor) along the MRO
         self.keys_are_names = False
-        self._candidates: Optional[list[str]] = None  # names that may be instance attributes
+        self._candidates: list[str] | None = None  # names that may be instance attributes
         self._names: list[tuple[str, Any]] = []  # of them, those read by name now (see names)
         self._checked = -1  # the walk they were checked at
         self.kind = self._kind(cls)
@@ -126,13 +155,20 @@ class TypeInfo:
                 if name == "__dict__":
                     # The first builtin one of this class's own line: a property named __dict__
                     # is user code, a descriptor copied from another class does not apply.
-                    if self.attrs_dict is None and (kind is _GETSET or kind is _MEMBER) \
-                            and _derives(cls, value.__objclass__):
+                    if (
+                        self.attrs_dict is None
+                        and (kind is _GETSET or kind is _MEMBER)
+                        and _derives(cls, value.__objclass__)
+                    ):
                         self.attrs_dict = value
                 elif kind is _MEMBER and name != "__weakref__" and all(value is not s for _, s in slots):
                     slots.append((name, value))  # a slot a subclass shadows is still read
-                elif name == "__module__" and type(value) is str and value == _MODULE[1] \
-                        and code_name(_type_name(klass)) == _MODULE[0]:
+                elif (
+                    name == "__module__"
+                    and type(value) is str
+                    and value == _MODULE[1]
+                    and code_name(_type_name(klass)) == _MODULE[0]
+                ):
                     self.keys_are_names = True
         self.slots = tuple(slots)
         self.hidden_dict = self.attrs_dict is None and _dict_offset(cls) != 0
@@ -156,7 +192,7 @@ class TypeInfo:
             known = set(candidates)
             new = [k for k in keys if type(k) is str and k not in known]  # builtin str: no code hashed
             if new and len(known) < MAX_NAMES:
-                self._candidates = candidates + new[:MAX_NAMES - len(known)]
+                self._candidates = candidates + new[: MAX_NAMES - len(known)]
                 self._checked = -1
 
     def _candidate_names(self) -> list[str]:
@@ -242,14 +278,14 @@ def type_name(value: Any) -> str:
     return info(type(value)).name
 
 
-def code_name(value: Any, pattern: re.Pattern = CODE_NAME) -> Optional[str]:
+def code_name(value: Any, pattern: re.Pattern = CODE_NAME) -> str | None:
     """``value`` when it is a builtin ``str`` that looks like a name in code, else None."""
     if type(value) is str and pattern.match(value):
         return value
     return None
 
 
-def attributes(value: Any, t: TypeInfo, limit: int) -> Optional[list[tuple[str, Any, Any]]]:
+def attributes(value: Any, t: TypeInfo, limit: int) -> list[tuple[str, Any, Any]] | None:
     """(name, step key, value) of each instance attribute and each set slot (the step key of a
     slot is its descriptor: a subclass may reuse its name); None past ``limit``."""
     out = []
@@ -274,7 +310,7 @@ def attributes(value: Any, t: TypeInfo, limit: int) -> Optional[list[tuple[str, 
     return [(key, key, child) for key, child in entries] + out
 
 
-def _named_attributes(value: Any, t: TypeInfo, covered: list, limit: int) -> Optional[list[tuple[str, Any]]]:
+def _named_attributes(value: Any, t: TypeInfo, covered: list, limit: int) -> list[tuple[str, Any]] | None:
     """The instance attributes read by name, or None when the object holds something else that
     may hold arrays (set by code outside its class, under a name not seen yet). ``covered``:
     what the caller reads otherwise (slots)."""
@@ -300,7 +336,7 @@ def _named_attributes(value: Any, t: TypeInfo, covered: list, limit: int) -> Opt
     return entries
 
 
-def hidden_values(value: Any, limit: int) -> Optional[list[Any]]:
+def hidden_values(value: Any, limit: int) -> list[Any] | None:
     """The values of an instance ``__dict__`` hidden behind a property: what the garbage
     collector sees the object hold (C code, no names), less its class; None past ``limit``."""
     cls = type(value)
@@ -363,7 +399,7 @@ def attribute(value: Any, step: Any) -> Any:
     return found
 
 
-def _instance_dict(value: Any, t: TypeInfo) -> Optional[dict]:
+def _instance_dict(value: Any, t: TypeInfo) -> dict | None:
     if t.attrs_dict is None:
         return None
     attrs = t.attrs_dict.__get__(value, t.cls)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +49,14 @@ def checked_port(value: Any, label: str) -> int:
     return int(value)
 
 
-def checked_steps(value: Any, label: str) -> Optional[float]:
+def checked_steps(value: Any, label: str) -> float | None:
     """A threshold in steps (``warn_within``, ``stop_within``), or None."""
     if value is not None and (not _is_number(value) or not STEPS.holds(value)):
         raise ValueError(f"{label} must be {STEPS.what} or None, got {value!r}")
     return None if value is None else float(value)
 
 
-def checked_walk_interval(value: Any, label: str = "walk_interval") -> Optional[float]:
+def checked_walk_interval(value: Any, label: str = "walk_interval") -> float | None:
     """``walk_interval`` as the watchdog keeps it: None (auto) or seconds as a float."""
     if value is None:
         return None
@@ -72,7 +73,7 @@ def checked_bool(value: Any, label: str) -> bool:
     raise ValueError(f"{label} must be True or False, got {value!r}")
 
 
-def checked_name(value: Any, label: str = "name") -> Optional[str]:
+def checked_name(value: Any, label: str = "name") -> str | None:
     if value is None or (isinstance(value, str) and value.strip()):
         return value
     raise ValueError(f"{label} must be a non-empty string or None, got {value!r}")

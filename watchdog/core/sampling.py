@@ -27,11 +27,12 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from . import forecast, graph
-from .graph import TooDeep, account, deep_walker, is_evaluated
 from .arrays import Found
+from .graph import TooDeep, account, deep_walker, is_evaluated
 
 STALL_SECONDS = 0.04  # CPU time one reading may block the decode for, when it can be kept to it
 INITIAL_SECONDS_PER_NODE = 4e-6  # until measured on this machine
@@ -50,7 +51,7 @@ class Reading:
     nodes: list[float]
     walked: int  # pending arrays whose graphs were walked (the rest are estimated)
     seconds: float  # wall time of the reading
-    walked_indices: Optional[set] = None  # which of them, when not all
+    walked_indices: set | None = None  # which of them, when not all
 
     cpu_seconds: float = 0.0  # its CPU time (graph.cpu_clock): what sizes the next readings
 
@@ -102,10 +103,10 @@ class _SiteClock:
     def __init__(self) -> None:
         self.marks: dict[int, tuple[float, float]] = {}  # step -> gained by then
 
-    def gained(self, step: int) -> Optional[tuple[float, float]]:
+    def gained(self, step: int) -> tuple[float, float] | None:
         return self.marks.get(step)
 
-    def advance(self, step: int, mark: Optional[tuple[float, float]]) -> tuple[float, float]:
+    def advance(self, step: int, mark: tuple[float, float] | None) -> tuple[float, float]:
         """Mark ``step`` (None: no reference was walked, so as fast as it went)."""
         if mark is None:
             last = max(self.marks, default=None)
@@ -118,13 +119,17 @@ class _SiteClock:
 
     def rate(self) -> tuple[float, float]:
         """Per step, the median slope between the recent marks (a batch change's jump is one)."""
-        steps = sorted(self.marks)[-self.RATE_MARKS:]
-        slopes = [((self.marks[b][0] - self.marks[a][0]) / (b - a), (self.marks[b][1] - self.marks[a][1]) / (b - a))
-                  for a, b in zip(steps, steps[1:])]
+        steps = sorted(self.marks)[-self.RATE_MARKS :]
+        slopes = [
+            ((self.marks[b][0] - self.marks[a][0]) / (b - a), (self.marks[b][1] - self.marks[a][1]) / (b - a))
+            for a, b in zip(steps, steps[1:])
+        ]
         if not slopes:
             return 0.0, 0.0
-        return (max(0.0, statistics.median(r for r, _ in slopes)),
-                max(0.0, statistics.median(n for _, n in slopes)))
+        return (
+            max(0.0, statistics.median(r for r, _ in slopes)),
+            max(0.0, statistics.median(n for _, n in slopes)),
+        )
 
     def since(self, then: int, now: int) -> tuple[float, float]:
         """What the site gained from ``then`` to ``now`` (both marked)."""
@@ -132,7 +137,7 @@ class _SiteClock:
         return b[0] - a[0], b[1] - a[1]
 
     def prune(self, keep: set) -> None:
-        recent = set(sorted(self.marks)[-self.RATE_MARKS:])
+        recent = set(sorted(self.marks)[-self.RATE_MARKS :])
         self.marks = {step: mark for step, mark in self.marks.items() if step in keep or step in recent}
 
 
@@ -157,7 +162,7 @@ def _pending_by_site(found: Sequence[Found], evaluated: Sequence[bool]) -> dict[
 class Sampler:
     """Reads found arrays exactly or by sample, and learns what a node costs here."""
 
-    def __init__(self, stall_seconds: Optional[float] = None) -> None:
+    def __init__(self, stall_seconds: float | None = None) -> None:
         self.stall_seconds = STALL_SECONDS if stall_seconds is None else stall_seconds
         self.seconds_per_node = INITIAL_SECONDS_PER_NODE
         self._sizes: dict[str, _SiteSize] = {}
@@ -170,7 +175,7 @@ class Sampler:
     def max_nodes(self) -> int:
         return max(1, int(self.stall_seconds / self.seconds_per_node))
 
-    def predicted_nodes(self, step: int) -> Optional[float]:
+    def predicted_nodes(self, step: int) -> float | None:
         """Nodes the pending graphs will have at ``step``; None before any reading."""
         if not self._sizes:
             return None
@@ -193,7 +198,9 @@ class Sampler:
             reading = Reading(list(found), [True] * n, [0.0] * n, [0.0] * n, 0, 0.0)
         elif predicted <= limit:
             reading = self._read_all(found, predicted)
-        elif probe is not None:  # the probe was the sample: walking one array a site again would double the stall
+        elif (
+            probe is not None
+        ):  # the probe was the sample: walking one array a site again would double the stall
             reading = self._read_probe(found, probe)
         else:
             reading = self._read_sample(found, step, predicted, limit)
@@ -202,7 +209,7 @@ class Sampler:
         self._learn(reading, step)
         return reading
 
-    def _probe(self, found: Sequence[Found], step: int) -> Optional[tuple]:
+    def _probe(self, found: Sequence[Found], step: int) -> tuple | None:
         """Nothing read yet (a watchdog attached to caches that may already hold deep chains):
         walk one pending array per site first, and predict the rest from it. Returns
         (evaluated flags, pending indices by site, the walked one's (retained, nodes) by site);
@@ -216,7 +223,9 @@ class Sampler:
             return None
         graph = account([found[indices[0]].array for indices in by_site.values()])
         walked = {}
-        for (site, indices), nodes, retained in zip(by_site.items(), graph.nodes_by_array, graph.retained_by_array):
+        for (site, indices), nodes, retained in zip(
+            by_site.items(), graph.nodes_by_array, graph.retained_by_array
+        ):
             self._sizes[site] = _SiteSize(float(nodes), float(retained), step, 0.0, 0.0, len(indices))
             walked[site] = (float(retained), float(nodes))
         return evaluated, by_site, walked
@@ -239,16 +248,22 @@ class Sampler:
 
     # ------------------------------------------------------------------ readings
 
-    def _read_all(self, found: Sequence[Found], predicted: Optional[float]) -> Reading:
+    def _read_all(self, found: Sequence[Found], predicted: float | None) -> Reading:
         graph = account([f.array for f in found], nodes_hint=None if predicted is None else int(predicted))
-        return Reading(list(found), graph.evaluated_by_array, [float(r) for r in graph.retained_by_array],
-                       [float(n) for n in graph.nodes_by_array], graph.pending_arrays, 0.0)
+        return Reading(
+            list(found),
+            graph.evaluated_by_array,
+            [float(r) for r in graph.retained_by_array],
+            [float(n) for n in graph.nodes_by_array],
+            graph.pending_arrays,
+            0.0,
+        )
 
     def _read_sample(self, found: Sequence[Found], step: int, predicted: float, limit: int) -> Reading:
         evaluated = [is_evaluated(f.array) for f in found]
         # Pending arrays by site, in turn; those never walked (a request's new caches), by site and
         # root: their sizes are not their site's, and a root's are alike. A site never seen is walked whole.
-        groups: dict[tuple[str, Optional[int]], list[int]] = {}
+        groups: dict[tuple[str, int | None], list[int]] = {}
         chosen: list[int] = []
         for i, done in enumerate(evaluated):
             if not done:
@@ -276,7 +291,9 @@ class Sampler:
         # Evaluated arrays go in too (one line each): a pending graph that reads one of them
         # then names it as ours, and it is not counted twice.
         order = [i for i, done in enumerate(evaluated) if done] + sorted(chosen)
-        deepest = max((self._sizes[site].at(step)[0] for site, _ in groups if site in self._sizes), default=0.0)
+        deepest = max(
+            (self._sizes[site].at(step)[0] for site, _ in groups if site in self._sizes), default=0.0
+        )
         try:
             graph = account([found[i].array for i in order], nodes_hint=int(deepest))
         except TooDeep:  # a single chain deeper than any stack here: leave it to the estimate
@@ -291,7 +308,9 @@ class Sampler:
         for site, indices in _pending_by_site(found, evaluated).items():
             walked = [i for i in indices if i in walked_set]
             walked_new = [i for i in walked if self._history(found[i]) is None]
-            self._tick(site, step, found, references.get(site), retained, nodes)  # marks this step: the gains below are read from it
+            self._tick(
+                site, step, found, references.get(site), retained, nodes
+            )  # marks this step: the gains below are read from it
             size = self._sizes.get(site)
             for i in indices:
                 if i in walked_set:
@@ -315,25 +334,38 @@ class Sampler:
         """An array's name across readings: its root (by identity, while it lives) and its path."""
         return (self._root_keys[f.root] if f.root < len(self._root_keys) else f.root, f.path)
 
-    def _history(self, f: Found) -> Optional[_Walked]:
+    def _history(self, f: Found) -> _Walked | None:
         """Its last walk, when its site's clock has a mark then (and at its base)."""
         last = self._walked.get(self._key(f))
         clock = self._clocks.get(f.site)
-        if last is None or clock is None or clock.gained(last.step) is None or clock.gained(last.base[1]) is None:
+        if (
+            last is None
+            or clock is None
+            or clock.gained(last.step) is None
+            or clock.gained(last.base[1]) is None
+        ):
             return None
         return last
 
     def _reference(self, found: Sequence[Found], indices: list[int]) -> int:
         """The site's longest chain at the last walks: walked at every reading, it is the site's
         clock. (A layer the program evaluates stays short: its gains are not the site's.)"""
+
         def length(i: int) -> tuple[bool, float]:
             last = self._walked[self._key(found[i])]
             return not last.still, last.retained
 
         return max(indices, key=length)
 
-    def _tick(self, site: str, step: int, found: Sequence[Found], reference: Optional[int],
-              retained: list[float], nodes: list[float]) -> tuple[float, float]:
+    def _tick(
+        self,
+        site: str,
+        step: int,
+        found: Sequence[Found],
+        reference: int | None,
+        retained: list[float],
+        nodes: list[float],
+    ) -> tuple[float, float]:
         """Move the site's clock to ``step`` by what its reference gained since its last walk;
         returns the mark. (Gains of arrays walked at other readings would carry the errors of
         those readings' marks along: measured, two arrays walked in turn kept their marks 3 apart
@@ -362,7 +394,9 @@ class Sampler:
                 key = self._key(reading.found[i])
                 if walked is None or i in walked:
                     last = self._history(reading.found[i])
-                    still, base = (False, (reading.retained[i], step)) if last is None else (last.still, last.base)
+                    still, base = (
+                        (False, (reading.retained[i], step)) if last is None else (last.still, last.base)
+                    )
                     # Told over many steps, where the steps' gain outweighs a batch change's (that
                     # one moves every array of the site, still ones too): from a base walk that
                     # many steps back, kept while walks come closer together.

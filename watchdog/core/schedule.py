@@ -15,7 +15,6 @@ watchdog is made, not charged here.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into an epoch that are walked
 # Walks of a new decode taken even when the budget is spent: one for its level, two 16 steps apart
@@ -32,7 +31,7 @@ AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of d
 
 
 class Schedule:
-    def __init__(self, overhead_budget: float, walk_interval: Optional[float]) -> None:
+    def __init__(self, overhead_budget: float, walk_interval: float | None) -> None:
         self.overhead_budget = overhead_budget
         self.walk_interval = walk_interval
         self.decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
@@ -100,7 +99,7 @@ class Schedule:
         what the prompt's last forward left pending is still there then."""
         return not self._continuing and step == self._epoch_start
 
-    def walked(self, step: int, cost: float, cpu_cost: Optional[float] = None) -> None:
+    def walked(self, step: int, cost: float, cpu_cost: float | None = None) -> None:
         """A walk at ``step`` took ``cost`` seconds (wall: what the decode lost) and ``cpu_cost``
         of CPU (its work: a walk that waited for a core must not space the next ones out; beside
         two busy processes one walk's wall time was up to 3.9x its CPU time)."""

@@ -21,7 +21,8 @@ import math
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -29,17 +30,23 @@ from mlx.utils import tree_flatten
 from . import allocator, graph
 from . import forecast as fc
 from .actions import ResourceLimitForecast, Warnings, remedy
+from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .attribution import Attribution
+from .caches import Scope, member_of
 from .fix import Fixer, evaluated_output, resolvable, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth
-from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
-from .options import (checked_bool, checked_fraction, checked_name, checked_positive_int, checked_steps,
-                      checked_walk_interval)
 from .objects import type_name
+from .options import (
+    checked_bool,
+    checked_fraction,
+    checked_name,
+    checked_positive_int,
+    checked_steps,
+    checked_walk_interval,
+)
 from .sampling import Sampler, warm_up
 from .schedule import Schedule
-from .caches import Scope, member_of
 
 try:  # records mx.distributed.init() from here on, so watchdogs learn their rank (distributed.py)
     from ..attach import distributed as _distributed
@@ -52,11 +59,11 @@ MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decod
 IDLE_SECONDS = 3.0  # no step for this long (or 8 typical steps, if longer) is idle: nothing grows
 MAX_PATHS_PER_SITE = 16
 
-_live: "weakref.WeakSet[Watchdog]" = weakref.WeakSet()
+_live: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
-def live_watchdogs() -> list["Watchdog"]:
+def live_watchdogs() -> list[Watchdog]:
     """Every live watchdog created with ``export=True`` (what exporters publish by default)."""
     with _live_lock:
         return [wd for wd in list(_live) if wd.export]
@@ -102,16 +109,16 @@ class Watchdog:
 
     def __init__(
         self,
-        limit: Optional[int] = None,
+        limit: int | None = None,
         *,
-        name: Optional[str] = None,
+        name: str | None = None,
         fix: bool = False,
         fix_every: int = 16,
-        warn_within: Optional[float] = None,
-        stop_within: Optional[float] = None,
-        on_forecast: Optional[Callable[[fc.Forecast], Any]] = None,
+        warn_within: float | None = None,
+        stop_within: float | None = None,
+        on_forecast: Callable[[fc.Forecast], Any] | None = None,
         overhead_budget: float = 0.01,
-        walk_interval: Optional[float] = None,
+        walk_interval: float | None = None,
         export: bool = True,
         model: Any = None,
         max_objects: int = MAX_OBJECTS,
@@ -144,7 +151,9 @@ class Watchdog:
         self.steps = 0
         self.overhead_seconds = 0.0
         self.materialized_arrays = 0
-        self.fix_failures = 0  # pending arrays the fix could not schedule (made on another thread's stream...)
+        self.fix_failures = (
+            0  # pending arrays the fix could not schedule (made on another thread's stream...)
+        )
         self.reclaimed_buffers = 0.0
         self.internal_errors = 0
         self.walks = 0
@@ -154,14 +163,14 @@ class Watchdog:
         self.rank = 0
         self.world_size = 1
         self.coordinator = None  # object with .worst(step, steps_to_limit) -> steps_to_limit
-        self.prefill_graph_nodes: Optional[int] = None
-        self.max_safe_prefill_tokens: Optional[int] = None
+        self.prefill_graph_nodes: int | None = None
+        self.max_safe_prefill_tokens: int | None = None
 
         self._lock = threading.RLock()
         self._parameter_buffers = 0
         self._last_observe = math.inf  # the first step's gap is no decode time
         self._ended = False  # the attachment said the generation ended
-        self._stepping_thread: Optional[int] = None
+        self._stepping_thread: int | None = None
         self._idle_after = IDLE_SECONDS
         self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
         self._scope = Scope()
@@ -170,14 +179,19 @@ class Watchdog:
         self._epoch = 0
         self._epoch_version = -1
         self._epoch_members: tuple = ()  # weak references to the caches of the current epoch
-        self._root_ids: Optional[tuple] = None  # identity of the last roots: skips the scope on the same caches
-        self._anchor_ref: Optional[weakref.ref] = None  # their first cache: dead, the ids may be reused
+        self._root_ids: tuple | None = None  # identity of the last roots: skips the scope on the same caches
+        self._anchor_ref: weakref.ref | None = None  # their first cache: dead, the ids may be reused
         self._fixer = Fixer(fix_every, max_objects, max_depth)
         self._warnings = Warnings()
         self._warned: set[str] = set()
         self._last = _LastReading()  # between readings the forecast extrapolates from it
         self._attribution = Attribution()  # the source line of each leak site, probed once
-        self._gone: tuple = (None, -1, 0.0, 1.0)  # (reading, scope version, its dead caches' buffers, share alive)
+        self._gone: tuple = (
+            None,
+            -1,
+            0.0,
+            1.0,
+        )  # (reading, scope version, its dead caches' buffers, share alive)
         self._empty_walks = 0
         self._reset_series()
         if model is not None:
@@ -210,11 +224,11 @@ class Watchdog:
         self._fixer.every = checked_positive_int(value, "fix_every")
 
     @property
-    def walk_interval(self) -> Optional[float]:
+    def walk_interval(self) -> float | None:
         return self._schedule.walk_interval
 
     @walk_interval.setter
-    def walk_interval(self, value: Optional[float]) -> None:
+    def walk_interval(self, value: float | None) -> None:
         self._schedule.walk_interval = checked_walk_interval(value)
 
     def count_parameters(self, model: Any) -> int:
@@ -342,8 +356,9 @@ class Watchdog:
         else:
             anchor, ids = roots, (id(roots),)
         anchor_ref = self._anchor_ref
-        if (ids != self._root_ids or (anchor_ref is not None and anchor_ref() is not anchor)) \
-                and not self._follow(roots, ids, anchor, prefill):
+        if (
+            ids != self._root_ids or (anchor_ref is not None and anchor_ref() is not anchor)
+        ) and not self._follow(roots, ids, anchor, prefill):
             return
         # Written by the decode thread alone, without the lock: a reader racing a step sees
         # the step count before or after it.
@@ -370,7 +385,9 @@ class Watchdog:
             probe = fixer.end_probe(step)
             if probe is not None:
                 walked_pending = self._walk(roots, step, probe_start=probe)
-        elif (step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode) and schedule.due(step):
+        elif (step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode) and schedule.due(
+            step
+        ):
             walked_pending = self._walk(roots, step)
             if self.fix and self._last.pending_nodes and fixer.wants_probe():
                 fixer.start_probe(step, self._growth.site_buffers())
@@ -417,20 +434,27 @@ class Watchdog:
         self._step_times.clear()  # the idle gap is no step time
         self._epoch_version = -1
 
-    def _walk(self, roots: Any, step: int, probe_start: Optional[tuple] = None) -> list[tuple[str, mx.array]]:
+    def _walk(self, roots: Any, step: int, probe_start: tuple | None = None) -> list[tuple[str, mx.array]]:
         """Read every live cache (``roots`` and the others; None: no roots, only the caches
         followed); returns the roots' arrays found pending, with their sites."""
         self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
         t0, cpu0 = time.perf_counter(), graph.cpu_clock()
         others = self._scope.others() if roots is not None else self._scope.members()
         roots = () if roots is None else roots
-        result = scan_all([(roots, "")] + [(c, f"<{type_name(c)}#{k}>") for k, c in enumerate(others)],
-                          max_objects=self.max_objects, max_depth=self.max_depth)
+        result = scan_all(
+            [(roots, "")] + [(c, f"<{type_name(c)}#{k}>") for k, c in enumerate(others)],
+            max_objects=self.max_objects,
+            max_depth=self.max_depth,
+        )
         root_keys = [0] + [id(c) for c in others]  # ids name the other caches while they live
         members = [None] + others
         self._empty_walks = 0 if result.found else self._empty_walks + 1
         if self._empty_walks == 3:  # a fresh cache is empty on its first step; three in a row is not
-            self._warn_once("empty", "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)", type_name(roots))
+            self._warn_once(
+                "empty",
+                "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)",
+                type_name(roots),
+            )
         if result.truncated:
             self._warn_once("cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut)
         found = result.found
@@ -477,9 +501,15 @@ class Watchdog:
         with self._lock:
             self._growth.record(step, epoch, sites, sample, probe_start)
             self._growth.update_leaks(fixing=self.fix and self._fixer.fixed_once)
-            self._last = _LastReading(step, resident, cache_buffers, int(round(retained_buffers)),
-                                      int(round(reading.pending_nodes)), reading.sampled,
-                                      tuple(tuple(entry) for entry in held.values() if entry[0] is not None))
+            self._last = _LastReading(
+                step,
+                resident,
+                cache_buffers,
+                int(round(retained_buffers)),
+                int(round(reading.pending_nodes)),
+                reading.sampled,
+                tuple(tuple(entry) for entry in held.values() if entry[0] is not None),
+            )
             self.walks += 1
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
         self._attribution.consider(self._growth.leaks, found, [roots] + others)
@@ -491,8 +521,9 @@ class Watchdog:
                 self._internal_error("on_forecast callback", exc)
         return [(f.site, f.array) for f in pending]
 
-    def _fix(self, roots: Any, walked_pending: Optional[list[tuple[str, mx.array]]], step: int,
-             sweep: bool = False) -> None:
+    def _fix(
+        self, roots: Any, walked_pending: list[tuple[str, mx.array]] | None, step: int, sweep: bool = False
+    ) -> None:
         fixer = self._fixer
         self._disown(allocator.settle())
         fix_started = time.perf_counter()
@@ -512,8 +543,12 @@ class Watchdog:
         if failed:
             with self._lock:
                 self.fix_failures += failed
-            self._warn_once("fix", "mlx-watchdog: the fix could not schedule %d pending arrays (counted in "
-                            "fix_failures; the others were scheduled)", failed)
+            self._warn_once(
+                "fix",
+                "mlx-watchdog: the fix could not schedule %d pending arrays (counted in "
+                "fix_failures; the others were scheduled)",
+                failed,
+            )
             if failed == len(pending):  # nothing was scheduled, so nothing is fixed
                 return
         with self._lock:
@@ -535,7 +570,8 @@ class Watchdog:
         if self.coordinator is not None:
             stl = self.coordinator.worst(step, stl)
         near = (self.stop_within is not None and stl <= self.stop_within) or (
-            self.warn_within is not None and stl <= self.warn_within)
+            self.warn_within is not None and stl <= self.warn_within
+        )
         if not near:
             return
         forecast = self.forecast()
@@ -554,10 +590,17 @@ class Watchdog:
                 logger.error("mlx-watchdog: stopping the generation: %s", forecast.describe())
                 raise ResourceLimitForecast(forecast)
         # While a probe looks for a leak's source line (a step or two), the warning waits for it.
-        if self.warn_within is not None and stl <= self.warn_within and not self._attribution.probing \
-                and self._warnings.due():
-            logger.warning("mlx-watchdog: resource limit forecast: %s (%s)", forecast.describe(),
-                           remedy(self.fix, self._fixer.fixed_once))
+        if (
+            self.warn_within is not None
+            and stl <= self.warn_within
+            and not self._attribution.probing
+            and self._warnings.due()
+        ):
+            logger.warning(
+                "mlx-watchdog: resource limit forecast: %s (%s)",
+                forecast.describe(),
+                remedy(self.fix, self._fixer.fixed_once),
+            )
 
     # ----------------------------------------------------------------- helpers
 
@@ -577,9 +620,12 @@ class Watchdog:
             dead = [ref() is None for ref, _, _ in last.by_member]
             chains = sum(r for _, _, r in last.by_member)
             dead_chains = sum(r for (_, _, r), d in zip(last.by_member, dead) if d)
-            gone = self._gone = (last, self._scope.version,
-                                 sum(n for (_, n, _), d in zip(last.by_member, dead) if d),
-                                 1.0 - dead_chains / chains if chains else float(not all(dead) or not dead))
+            gone = self._gone = (
+                last,
+                self._scope.version,
+                sum(n for (_, n, _), d in zip(last.by_member, dead) if d),
+                1.0 - dead_chains / chains if chains else float(not all(dead) or not dead),
+            )
         # The growth since goes on in the caches that live: with a cache gone, so is its share.
         growth = max(0.0, self._growth.rate) * (step - last.step) * gone[3]
         return max(float(self._parameter_buffers), last.resident - gone[2]) + growth
@@ -611,7 +657,13 @@ class Watchdog:
             self.internal_errors += 1
             count = self.internal_errors
         if count <= 3 or count % 1000 == 0:
-            logger.warning("mlx-watchdog internal error #%d in %s: %r (the decode goes on)", count, where, exc, exc_info=count <= 1)
+            logger.warning(
+                "mlx-watchdog internal error #%d in %s: %r (the decode goes on)",
+                count,
+                where,
+                exc,
+                exc_info=count <= 1,
+            )
 
     def _warn_once(self, key: str, message: str, *args) -> None:
         if key not in self._warned:

@@ -118,9 +118,7 @@ def tiny_config(model_type: str = "qwen3_next", layers: int = 8, **overrides) ->
     """A config.json-style dict for a tiny ``model_type`` model with ``layers``
     layers; ``overrides`` replace or add keys. It holds no None values."""
     if model_type not in _CONFIGS:
-        raise ValueError(
-            f"Unknown model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}."
-        )
+        raise ValueError(f"Unknown model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}.")
     config = {"model_type": model_type, **_COMMON, **_CONFIGS[model_type]}
     config = copy.deepcopy(config)
     config["num_hidden_layers"] = layers
@@ -132,9 +130,7 @@ def tiny_config(model_type: str = "qwen3_next", layers: int = 8, **overrides) ->
     interval = config.get("full_attention_interval")
     if model_type == "qwen3_next" and config["num_hidden_layers"] < interval:
         # mlx-lm indexes the cache of layer interval - 1 for the attention mask.
-        raise ValueError(
-            f"qwen3_next needs at least full_attention_interval={interval} layers."
-        )
+        raise ValueError(f"qwen3_next needs at least full_attention_interval={interval} layers.")
     return config
 
 
@@ -175,8 +171,12 @@ def randomize(model: nn.Module) -> None:
     """Draw every floating matrix from N(0, 1/d), d its last dimension (from MLX's global
     generator); vectors (norms, biases, gates) keep the values the model sets."""
     params = [
-        (name, mx.random.normal(p.shape) * p.shape[-1] ** -0.5
-         if p.ndim >= 2 and mx.issubdtype(p.dtype, mx.floating) else p)
+        (
+            name,
+            mx.random.normal(p.shape) * p.shape[-1] ** -0.5
+            if p.ndim >= 2 and mx.issubdtype(p.dtype, mx.floating)
+            else p,
+        )
         for name, p in tree_flatten(model.parameters())
     ]
     model.update(tree_unflatten(params))
@@ -240,9 +240,7 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE):
     return tokenizer
 
 
-def save_model_dir(
-    path, model_type: str = "qwen3_next", layers: int = 8, seed: int = 0, **overrides
-) -> Path:
+def save_model_dir(path, model_type: str = "qwen3_next", layers: int = 8, seed: int = 0, **overrides) -> Path:
     """Write a folder ``mlx_lm.load`` opens offline: config.json,
     model.safetensors (the model's own parameter names, which every supported
     model's sanitize passes through) and the tokenizer files. Returns the path.
@@ -271,9 +269,7 @@ def save_model_dir(
     return path
 
 
-def tiny_prompts(
-    n: int, length: int, vocab_size: int = VOCAB_SIZE, seed: int = 0
-) -> list[list[int]]:
+def tiny_prompts(n: int, length: int, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> list[list[int]]:
     """``n`` deterministic prompts of ``length`` token ids below
     ``vocab_size``, none of them a special token of ``build_tokenizer``."""
     rng = random.Random(seed)
