@@ -606,7 +606,7 @@ def test_diagnose_shows_a_progress_bar_per_pass_on_a_terminal(model_dirs):
 def test_plot_without_matplotlib_is_one_line_and_fails_before_decoding(tmp_path):
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "from mlx_watchdog import cli\n"
+        "from mlx_watchdog.commands import main as cli\n"
         f"sys.exit(cli.main(['demo', '--no-metrics', '--plot', {str(tmp_path / 'x.png')!r}]))"
     )
     start = time.monotonic()
