@@ -487,24 +487,26 @@ def _parse(*argv):
     return cli.build_parser(load_serve=False).parse_args([str(a) for a in argv])
 
 
-def test_flags_follow_mlx_lm_and_old_spellings_still_work(capsys):
+def test_flags_follow_mlx_lm(capsys):
     args = _parse("demo", "-m", 7, "--batch-size", 3)
     assert (args.max_tokens, args.batch_size) == (7, 3)
     assert capsys.readouterr().err == ""
-    args = _parse("demo", "--steps", 9, "--batch", 4)  # the old names: same values, a warning each
-    assert (args.max_tokens, args.batch_size) == (9, 4)
-    err = capsys.readouterr().err
-    assert (
-        "--steps is deprecated, use --max-tokens" in err and "--batch is deprecated, use --batch-size" in err
-    )
     args = _parse("diagnose", "--model", "m", "--max-tokens", 5, "-p", "hi", "--path", "plain")
     assert (args.max_tokens, args.prompt, diagnose.selected_paths(args)) == (5, ["hi"], ["plain"])
-    assert diagnose.selected_paths(_parse("diagnose", "--batch")) == ["batched"]
-    assert diagnose.selected_paths(_parse("diagnose", "--plain")) == ["plain"]
+    assert diagnose.selected_paths(_parse("diagnose", "--path", "batched")) == ["batched"]
     assert diagnose.selected_paths(_parse("diagnose")) == ["batched", "plain"]
     capsys.readouterr()
     status, out, _ = run_main(capsys, "diagnose", "--help")
-    assert "--max-tokens" in out and "--steps" not in out and "--batch " not in out  # aliases are hidden
+    assert "--max-tokens" in out and "--steps" not in out
+    # The old spellings of 0.1's development (--steps, diagnose --plain/--batch) are gone.
+    for argv in (
+        ["demo", "--steps", 9],
+        ["diagnose", "--steps", 9],
+        ["diagnose", "--plain"],
+        ["diagnose", "--batch"],
+    ):
+        status, _, err = run_main(capsys, *argv)
+        assert status == 2 and "deprecated" not in err, (argv, err)
     status, _, err = run_main(capsys, "diagnose", "--path", "sideways")
     assert status == 2 and "invalid choice: 'sideways'" in err
     status, _, err = run_main(capsys, "demo", "--plot", "picture.jpg")

@@ -67,36 +67,11 @@ def plot_file(text: str) -> str:
     return text
 
 
-class _DeprecatedAlias(argparse.Action):
-    """An old spelling of a flag: stores into the new flag's dest and says so on stderr."""
-
-    def __init__(self, option_strings, dest, new: str = "", **kwargs):
-        self.new = new
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
-
-
-def deprecated_alias(parser, old: str, new: str, dest: str, **kwargs) -> None:
-    """Accept ``old`` as a hidden spelling of ``new`` (same ``dest``), with a warning."""
-    parser.add_argument(
-        old,
-        dest=dest,
-        action=_DeprecatedAlias,
-        new=new,
-        help=argparse.SUPPRESS,
-        default=argparse.SUPPRESS,
-        **kwargs,
-    )
-
-
 # --------------------------------------------------------------------------- flags shared by commands
 
 
 def add_max_tokens(parser, default: int, help: str) -> None:
-    """``--max-tokens/-m N`` (mlx_lm.generate's spelling); ``--steps`` is its old name."""
+    """``--max-tokens/-m N`` (mlx_lm.generate's spelling)."""
     parser.add_argument(
         "-m",
         "--max-tokens",
@@ -106,7 +81,6 @@ def add_max_tokens(parser, default: int, help: str) -> None:
         metavar="N",
         help=f"{help} (default: %(default)s)",
     )
-    deprecated_alias(parser, "--steps", "--max-tokens", "max_tokens", type=positive_int, metavar="N")
 
 
 def add_output_flags(parser, what: str) -> None:

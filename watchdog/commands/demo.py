@@ -41,7 +41,6 @@ from .common import (
     add_max_tokens,
     add_output_flags,
     consoles,
-    deprecated_alias,
     port_number,
     positive_int,
     print_json,
@@ -99,7 +98,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="N",
         help="sequences decoded together (default: %(default)s)",
     )
-    deprecated_alias(parser, "--batch", "--batch-size", "batch_size", type=positive_int, metavar="N")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default: 0)")
     parser.add_argument(
         "--metrics-port",
@@ -450,9 +448,13 @@ class _View:
             crash = f"step {f.limit_step - self._offset:,.0f} (in {_duration(f.seconds_to_limit)})"
         leaks = f.leaks
         if watchdog.fix and leaks:
-            sites = ", ".join(f"{leak.site} +{leak.buffers_per_step:.3g}/step cut by the fix" for leak in leaks[:3])
+            sites = ", ".join(
+                f"{leak.site} +{leak.buffers_per_step:.3g}/step cut by the fix" for leak in leaks[:3]
+            )
         else:
-            sites = ", ".join(f"{leak.site} +{leak.buffers_per_step:.3g}/step" for leak in leaks[:3]) or "none"
+            sites = (
+                ", ".join(f"{leak.site} +{leak.buffers_per_step:.3g}/step" for leak in leaks[:3]) or "none"
+            )
         return {"forecast": f, "tps": tps, "crash": crash, "sites": sites}
 
     def _line(self, watchdog, elapsed: float, steps: int) -> str:

@@ -154,7 +154,6 @@ from .common import (
     add_max_tokens,
     add_output_flags,
     consoles,
-    deprecated_alias,
     local_model_problem,
     looks_local,
     positive_int,
@@ -203,8 +202,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="mlx-lm's batched path (BatchGenerator), its plain path "
         "(generate_step), or both (default: %(default)s; --to-the-limit: batched)",
     )
-    deprecated_alias(parser, "--batch", "--path batched", "path", nargs=0, const="batched")
-    deprecated_alias(parser, "--plain", "--path plain", "path", nargs=0, const="plain")
     parser.add_argument(
         "--batch-size",
         type=positive_int,
@@ -309,8 +306,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def selected_paths(args: argparse.Namespace) -> list[str]:
-    path = getattr(args, "path", "both")
-    return list(PATHS) if path == "both" else [path]
+    return list(PATHS) if args.path == "both" else [args.path]
 
 
 class PassProgress:
