@@ -25,7 +25,7 @@ import pytest
 from rich.console import Console
 
 from mlx_watchdog import tiny
-from mlx_watchdog.commands import demo, diagnose
+from mlx_watchdog.commands import demo, diagnose, to_the_limit
 from mlx_watchdog.commands import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -417,27 +417,29 @@ def test_to_the_limit_needs_a_limit_without_metal(capsys):
 
 def test_to_the_limit_reports_children_that_end_without_a_failing_step():
     def outcome(records, events, returncode, stderr="", stalled=False):
-        return diagnose._ChildOutcome(records, events, returncode, stderr, stalled)
+        return to_the_limit.ChildOutcome(records, events, returncode, stderr, stalled)
 
     config = {"limit": 1000}
     records = [(s, 100 + 2 * s, 450.0) for s in range(1, 101)]
-    cap = diagnose._limit_report(outcome(records, [{"event": "cap", "step": 100}], 0), config, "m", "batched")
+    cap = to_the_limit.limit_report(
+        outcome(records, [{"event": "cap", "step": 100}], 0), config, "m", "batched"
+    )
     assert cap["failure"]["kind"] == "step_cap" and cap["exit_status"] == 1 and cap["forecast"] is None
-    died = diagnose._limit_report(outcome(records, [], 1, "Segmentation fault\n"), config, "m", "batched")
+    died = to_the_limit.limit_report(outcome(records, [], 1, "Segmentation fault\n"), config, "m", "batched")
     assert died["failure"] == {
         "kind": "child_died",
         "step": None,
         "error": "exit status 1: Segmentation fault",
     }
     assert died["exit_status"] == 1
-    stuck = diagnose._limit_report(outcome(records, [], -9, stalled=True), config, "m", "batched")
+    stuck = to_the_limit.limit_report(outcome(records, [], -9, stalled=True), config, "m", "batched")
     assert stuck["failure"]["kind"] == "stalled"
-    usage = diagnose._limit_report(
+    usage = to_the_limit.limit_report(
         outcome([], [{"event": "error", "usage": True, "error": "x"}], 2), config, "m", "batched"
     )
     assert usage["exit_status"] == 2
     # Metal's real error in the stderr of a child that aborted after step 100: it failed in step 101.
-    real = diagnose._limit_report(
+    real = to_the_limit.limit_report(
         outcome(records, [], -6, "libc++abi: [metal::malloc] Resource limit (499000) exceeded.\n"),
         config,
         "m",
@@ -626,7 +628,18 @@ def test_plot_without_matplotlib_is_one_line_and_fails_before_decoding(tmp_path)
 
 
 @pytest.mark.parametrize(
-    "module", ["commands.common", "commands.demo", "commands.diagnose", "commands.serve", "commands.plot"]
+    "module",
+    [
+        "commands.common",
+        "commands.decode",
+        "commands.demo",
+        "commands.diagnose",
+        "commands.load",
+        "commands.plot",
+        "commands.scan",
+        "commands.serve",
+        "commands.to_the_limit",
+    ],
 )
 def test_subcommand_modules_do_not_import_the_entry_point(module):
     code = f"import sys, mlx_watchdog.{module}; print('mlx_watchdog.commands.main' in sys.modules)"
@@ -707,8 +720,8 @@ def test_to_the_limit_shows_progress_on_a_terminal(monkeypatch, model_dirs):
         "--json",
     )
     report_console = Console(file=io.StringIO(), width=200)
-    monkeypatch.setattr(diagnose, "print_json", lambda document: out.write(json.dumps(document)))
-    assert diagnose.to_the_limit(args, report_console, bar_console) == 0
+    monkeypatch.setattr(to_the_limit, "print_json", lambda document: out.write(json.dumps(document)))
+    assert to_the_limit.run(args, report_console, bar_console) == 0
     text = out.getvalue()
     assert "child: resident ~" in text and "steps to the forecast limit" in text
     assert '"failure": {"kind": "estimate_crossed_limit"' in text

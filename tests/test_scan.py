@@ -12,8 +12,8 @@ import re
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from mlx_watchdog.commands import decode, scan
 from mlx_watchdog.commands import main as cli
-from mlx_watchdog.commands import scan
 from mlx_watchdog.tiny import families
 
 ADVANCE = re.compile(r"^mlx_lm/models/cache\.py:\d+ ArraysCache\.advance$")
@@ -152,8 +152,8 @@ def test_a_batch_that_shrinks_in_place_reads_flat_as_the_exact_count():
     watch_model(model, wd)
     readings = []
     try:
-        for step, _new in enumerate(scan._steps(model, "join", prompts, steps), 1):
-            if step == scan.join_step(steps) + scan.JOIN_SETTLE:
+        for step, _new in enumerate(decode.token_steps(model, "join", prompts, steps), 1):
+            if step == decode.join_step(steps) + decode.JOIN_SETTLE:
                 wd.reset()
             if step > steps + 3:  # only the joined request is left: the batch was filtered
                 # collected first: uncollected cycles (the harness's) moved the count by 13-19 in 1 run of 10
