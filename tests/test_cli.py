@@ -29,6 +29,7 @@ from mlx_watchdog.commands import demo, diagnose, to_the_limit
 from mlx_watchdog.commands import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
+JSON_PAGE = REPO / "docs" / "diagnose.md"  # the keys and types of diagnose's JSON documents
 LEFT_PADDING = "ArraysCache.left_padding"
 
 
@@ -199,19 +200,21 @@ def test_demo_bad_options(capsys):
 # --------------------------------------------------------------------------- diagnose
 
 
-def _doc_blocks(doc: str) -> dict:
-    """The ``key  type`` blocks of diagnose's docstring: {block: {key: type}}."""
-    blocks, current = {}, None
-    for line in doc.splitlines():
-        header = re.match(r"^  (\w+):$", line)
-        if header:
-            current = blocks.setdefault(header.group(1), {})
-            continue
-        if line and not line.startswith(" "):
-            current = None
-        entry = re.match(r"^    (\w+)\s+(\S+)", line)
-        if current is not None and entry:
-            current[entry.group(1)] = entry.group(2)
+def _doc_blocks(page: Path = JSON_PAGE) -> dict:
+    """The ``key  type`` blocks in the text blocks of ``page``: {block: {key: type}}."""
+    blocks: dict = {}
+    for fence in re.findall(r"^```text\n(.*?)^```", page.read_text(), re.S | re.M):
+        current = None
+        for line in fence.splitlines():
+            header = re.match(r"^(\w+):$", line)
+            if header:
+                current = blocks.setdefault(header.group(1), {})
+                continue
+            if line and not line.startswith(" "):
+                current = None
+            entry = re.match(r"^  (\w+)\s+(\S+)", line)
+            if current is not None and entry:
+                current[entry.group(1)] = entry.group(2)
     return blocks
 
 
@@ -248,8 +251,8 @@ def _check_object(value, block: str, blocks: dict, where: str) -> None:
         _check(value[key], kind, blocks, f"{where}.{key}")
 
 
-def test_docstring_documents_both_json_objects():
-    blocks = _doc_blocks(diagnose.__doc__)
+def test_docs_page_documents_both_json_objects():
+    blocks = _doc_blocks()
     assert {
         "diagnose",
         "run",
@@ -270,7 +273,7 @@ def test_diagnose_leaky_hybrid_json_schema_and_exit_1(capsys, model_dirs):
         capsys, "diagnose", "--model", model_dirs["hybrid"], "--max-tokens", 60, "--json"
     )
     report = json.loads(out)
-    _check_object(report, "diagnose", _doc_blocks(diagnose.__doc__), "report")
+    _check_object(report, "diagnose", _doc_blocks(), "report")
     assert status == report["exit_status"] == 1
     assert report["schema"] == diagnose.SCHEMA and report["model_type"] == "qwen3_next"
     assert report["leak"] is True and report["leak_sites"] == [LEFT_PADDING]
@@ -313,7 +316,7 @@ def test_diagnose_dense_llama_exit_0(capsys, model_dirs):
         capsys, "diagnose", "--model", model_dirs["llama"], "--max-tokens", 60, "--json"
     )
     report = json.loads(out)
-    _check_object(report, "diagnose", _doc_blocks(diagnose.__doc__), "report")
+    _check_object(report, "diagnose", _doc_blocks(), "report")
     assert status == report["exit_status"] == 0
     assert report["leak"] is False and report["leak_sites"] == [] and report["fix_removes_leak"] is None
     for run in report["runs"]:
@@ -358,7 +361,7 @@ def test_to_the_limit_forecast_at_one_percent_within_one_percent(capsys, model_d
         "--json",
     )
     report = json.loads(out)
-    _check_object(report, "to_the_limit", _doc_blocks(diagnose.__doc__), "report")
+    _check_object(report, "to_the_limit", _doc_blocks(), "report")
     assert status == report["exit_status"] == 0
     failure = report["failure"]
     assert failure["kind"] == "estimate_crossed_limit" and report["limit_source"] == "--limit"
@@ -449,7 +452,7 @@ def test_to_the_limit_reports_children_that_end_without_a_failing_step():
     # The only forecast (450) was made from step 1 on, so the 1% one is at step 2 (1.98%).
     assert real["forecast"] == {"made_at_step": 2, "made_at_percent": 1.98, "limit_step": 450.0}
     assert real["error_percent"] == pytest.approx(100 * (450 - 101) / 101, abs=1e-3)
-    blocks = _doc_blocks(diagnose.__doc__)
+    blocks = _doc_blocks()
     for report in (cap, died, stuck, usage, real):
         _check_object(report, "to_the_limit", blocks, "report")
 

@@ -17,10 +17,10 @@ batch (``deepseek_v41``) runs the plain path (``generate_step``, one sequence) i
 ``/metrics`` is served on loopback meanwhile.
 
 ``--json`` prints one JSON document on stdout (the live display goes to stderr): diagnose's
-report shape (``pydoc mlx_watchdog.commands.diagnose``: ``runs`` with ``readings``, ``leaks`` and
-``fix``) with ``schema`` "mlx-watchdog.demo/1", ``real_limit`` (the device's limit the crash is
-also forecast against), ``real_limit_step`` (the decode step of that crash, null: never) and
-``metrics_url``. ``--plot FILE`` draws it (``plot.py``).
+report shape (docs/diagnose.md: ``runs`` with ``readings``, ``leaks`` and ``fix``) with
+``schema`` "mlx-watchdog.demo/1", ``real_limit`` (the device's limit the crash is also forecast
+against), ``real_limit_step`` (the decode step of that crash, null: never) and ``metrics_url``.
+``--plot FILE`` draws it (``plot.py``).
 
 Exit status: 0 the fix removed the growth with identical tokens, 1 it did not, 2 usage errors.
 """
@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="port of /metrics on 127.0.0.1 (default: %(default)s; 0 picks a free one)",
     )
     parser.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
-    add_output_flags(parser, "the report of `pydoc mlx_watchdog.demo`")
+    add_output_flags(parser, "diagnose's report shape: docs/demo.md")
     return parser
 
 

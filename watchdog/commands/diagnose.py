@@ -20,112 +20,7 @@ the child ended early), 2 usage or load errors.
 Progress goes to stderr, as a bar per pass on a terminal (none in a pipe or a log); with
 ``--json`` stdout holds the one JSON document and nothing else.
 
-JSON (``--json``): one object on stdout. Each block lists ``key  type  meaning``; a type in
-braces is an object described by the block of that name, ``[x]`` a list of x, ``|null`` means
-the value may be null (JSON has no infinity: "never" is null).
-
-  diagnose:
-    schema            str          "mlx-watchdog.diagnose/1"
-    model             str          the --model argument as given
-    model_type        str          config.json's model_type (or the model's module name)
-    device            str          MLX's device name
-    limit             int          buffer limit forecast against
-    limit_source      str          "--limit" | "device" (Metal's resource_limit) | "default" (499000)
-    steps             int          decode steps per pass (--max-tokens)
-    leak              bool         some path grows by >= 0.01 buffers per decode step
-    leak_sites        [str]        leaking sites over all paths, e.g. "ArraysCache.left_padding"
-    fix_removes_leak  bool|null    every leaking path is flat (< 0.01/step) with the fix and its
-                                   tokens are identical; null when nothing leaks
-    fix_command       str          the command that serves this model with the fix
-    exit_status       int          0 no leak, 1 leak
-    versions          {versions}   package versions
-    runs              [{run}]      one per path, in the order run
-
-  versions:
-    mlx               str
-    mlx_lm            str
-    mlx_watchdog      str
-
-  run:
-    path              str          "plain" | "batched"
-    batch_size        int          sequences decoded together (1 on the plain path)
-    prompt_tokens     [int]        prompt length of each sequence
-    decode_steps      int          decode steps done (tokens per sequence)
-    observed_steps    int          forward passes the watchdog observed (the prefill's included)
-    tokens_per_second float        generated tokens (all sequences) per second of the pass
-    decode_seconds    float        wall time of the pass
-    resident_buffers  int          estimated resident buffers at the end
-    buffers_per_step  float        net growth per decode step (0 when flat)
-    leak              bool         buffers_per_step >= 0.01, or some site grows >= 0.01/step
-    leaks             [{leak}]     growing sites, biggest first
-    limit_step        float|null   decode step at which a generation like this one reaches the
-                                   limit: tokens per sequence until the crash; null: never
-    steps_to_limit    float|null   decode steps left after this pass; null: never
-    seconds_to_limit  float|null   the same at the measured step rate; null: never
-    watchdog_overhead float        watchdog seconds on the decode thread / decode_seconds
-                                   (self-timed; short runs overstate it: the first walks are
-                                   granted up front)
-    readings          [[int]]      [decode step, resident buffers] at each graph walk
-    fix               {fix}        the same decode again with Watchdog(fix=True)
-
-  leak:
-    site              str          class.attribute holding the buffers
-    buffers_per_step  float        growth of this site per decode step
-    buffers           int          buffers held at the site at the last measurement
-    paths             [str]        where, from the cache list, e.g. "[0].left_padding"
-    cut_by_fix        bool         the fix cuts this site (fix mode): buffers_per_step is what it would add
-    source            str|null     the line that rebinds the site's attribute, e.g.
-                                   "mlx_lm/models/cache.py:685 ArraysCache.advance" (null: not found)
-
-  fix:
-    buffers_per_step  float        growth with the fix
-    removes_leak      bool         buffers_per_step < 0.01 and tokens_identical
-    tokens_identical  bool         the fixed pass generated exactly the same tokens
-    compared_tokens   int          tokens compared (all sequences)
-    materialized_arrays int        pending cache arrays the fix scheduled for evaluation
-    decode_seconds    float        wall time of the fixed pass
-    watchdog_overhead float        as above, for the fixed pass
-    readings          [[int]]      as above, for the fixed pass
-
-With ``--to-the-limit --json``:
-
-  to_the_limit:
-    schema            str          "mlx-watchdog.to-the-limit/1"
-    model             str          --model, or "embedded:<model_type>" (the built-in tiny model)
-    path              str          "batched" | "plain"
-    device            str|null     the child's MLX device name (null: it never started)
-    limit             int          buffer limit of the child's watchdog
-    limit_source      str          "metal" (the real error ends the run) | "--limit" (the
-                                   watchdog's measured estimate crossing N ends it)
-    failure           {failure}    what ended the run
-    forecast          {forecast}|null  the forecast made at ~1% of the failing step
-    error_percent     float|null   (forecast limit_step - failing step) / failing step * 100
-    checkpoints       [{checkpoint}]  forecasts at 1, 5, 10, 25 and 50% of the run
-    steps_recorded    int          step records the child streamed
-    child             {child}      how the child process ended
-    exit_status       int          0 the forecast was checked, 1 no failing step was reached
-
-  failure:
-    kind              str          "resource_limit_error" | "estimate_crossed_limit" |
-                                   "step_cap" | "child_died" | "stalled"
-    step              int|null     the failing decode step
-    error             str|null     the error message
-
-  forecast:
-    made_at_step      int          decode step at which the forecast was made
-    made_at_percent   float        made_at_step / failing step * 100
-    limit_step        float        the decode step it forecast for the limit
-
-  checkpoint:
-    percent           float        the share of the run asked for
-    made_at_step      int
-    made_at_percent   float
-    limit_step        float
-    error_percent     float
-
-  child:
-    exit_status       int|null     the child's exit status (negative: killed by that signal)
-    stderr_tail       str          the end of its error output
+The ``--json`` document (and ``--to-the-limit``'s) is described in docs/diagnose.md, key by key.
 """
 
 from __future__ import annotations
@@ -204,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="N",
         help="buffer limit (default: the device's Metal resource limit, else 499000)",
     )
-    add_output_flags(parser, "schema in `pydoc mlx_watchdog.diagnose`")
+    add_output_flags(parser, "its keys: docs/diagnose.md")
     group = parser.add_argument_group("--to-the-limit: check the forecast against a real failure")
     group.add_argument(
         "--to-the-limit",
@@ -369,7 +264,7 @@ def diagnose_model(
     model_type: str,
     progress: PassProgress | None = None,
 ) -> dict:
-    """Run each path unfixed then fixed; return the report (the JSON object of the docstring)."""
+    """Run each path unfixed then fixed; return the report (``diagnose`` in docs/diagnose.md)."""
     from ..core.limits import device_name, device_resource_limit
     from ..core.watchdog import Watchdog
 
@@ -421,7 +316,7 @@ def diagnose_model(
 
 
 def run_entry(plain: PassResult, fixed: PassResult) -> dict:
-    """A path's ``run`` object (see the docstring): the pass watched only, and with the fix."""
+    """A path's ``run`` object (docs/diagnose.md): the pass watched only, and with the fix."""
     f, g = plain.forecast, fixed.forecast
     tokens = sum(len(t) for t in plain.tokens)
     growth = max(0.0, f.buffers_per_step)

@@ -17,7 +17,7 @@ object, and nothing else the parent reads:
 A child that dies without an event (an uncaught Metal error aborts the process) is read from its
 last step record and its stderr; one that stops streaming for ``STALL_SECONDS`` is killed.
 The options are diagnose's (``diagnose.add_arguments``); the JSON document is described in
-diagnose.py's docstring (``to_the_limit``).
+docs/diagnose.md.
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def forecast_at(records: list, fail_step: int, percent: float) -> dict | None:
 
 
 def limit_report(outcome: ChildOutcome, config: dict, model_label: str, path: str) -> dict:
-    """The ``--json`` document (``to_the_limit`` in diagnose.py's docstring)."""
+    """The ``--json`` document (``to_the_limit`` in docs/diagnose.md)."""
     from ..core.limits import resolve_limit
 
     start: dict = next((e for e in outcome.events if e.get("event") == "start"), {})
