@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import math
 import time
+from typing import Any
 
 from .common import (
     EXIT_LEAK,
@@ -367,9 +368,9 @@ class _View:
         self.live = console.is_terminal
         self.every = max(1, steps // 8)
         self._last_refresh = 0.0
-        self._progress = None
-        self._task = None
-        self._live = None
+        self._progress: Any = None  # rich's Progress, Live and task id, on a terminal
+        self._task: Any = None
+        self._live: Any = None
         self._walks_at_start: int | None = None
         self._offset = 0  # watchdog steps (forward passes) before decode step 1
 

@@ -97,8 +97,8 @@ def _measured(ax, run: dict, limit: float) -> None:
             ax.plot(xs, ys, "o", color=color, markersize=3, label=f"{label} (graph walks)")
         anchor = _fitted(readings, rate, crash, limit)
         if anchor is not None:
-            xs, ys = _line(anchor, rate, 0, steps)
-            ax.plot(xs, ys, "-", color=color, linewidth=1.2, label=f"fit {rate:+.3g} buffers/step")
+            line_x, line_y = _line(anchor, rate, 0, steps)
+            ax.plot(line_x, line_y, "-", color=color, linewidth=1.2, label=f"fit {rate:+.3g} buffers/step")
     ax.set_title(
         f"{run['path']} path, batch {run['batch_size']}: {steps:,} decode steps measured", fontsize=10
     )
