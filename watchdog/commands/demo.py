@@ -62,9 +62,8 @@ DEFAULT_LAYERS = 12  # qwen3_next with full attention every 4th layer: 9 linear 
 DEFAULT_LIMIT = 10_000  # scaled down from Metal's 499,000 so the forecast crash is seconds away
 DEFAULT_BATCH = 2
 PROMPT_TOKENS = 8
-# The demo lets the watchdog walk more often than the 1% default, so the display moves from the
-# first steps even on a busy 2-core machine (the walks are cheap here: the chains are short),
-# and with no walk interval: the display follows every walk the budget allows.
+# Walks more often than the 1% default (and no walk interval), so the display moves from the
+# first steps: the chains are short, the walks cheap.
 OVERHEAD_BUDGET = 0.05
 REFRESH_SECONDS = 0.25
 DEFAULT_METRICS_PORT = 9464  # the exporter's default (OpenTelemetry's Prometheus port)
