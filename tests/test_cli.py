@@ -25,10 +25,11 @@ import pytest
 from rich.console import Console
 
 from mlx_watchdog import tiny
-from mlx_watchdog.commands import demo, diagnose
+from mlx_watchdog.commands import demo, diagnose, to_the_limit
 from mlx_watchdog.commands import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
+JSON_PAGE = REPO / "docs" / "diagnose.md"  # the keys and types of diagnose's JSON documents
 LEFT_PADDING = "ArraysCache.left_padding"
 
 
@@ -199,19 +200,21 @@ def test_demo_bad_options(capsys):
 # --------------------------------------------------------------------------- diagnose
 
 
-def _doc_blocks(doc: str) -> dict:
-    """The ``key  type`` blocks of diagnose's docstring: {block: {key: type}}."""
-    blocks, current = {}, None
-    for line in doc.splitlines():
-        header = re.match(r"^  (\w+):$", line)
-        if header:
-            current = blocks.setdefault(header.group(1), {})
-            continue
-        if line and not line.startswith(" "):
-            current = None
-        entry = re.match(r"^    (\w+)\s+(\S+)", line)
-        if current is not None and entry:
-            current[entry.group(1)] = entry.group(2)
+def _doc_blocks(page: Path = JSON_PAGE) -> dict:
+    """The ``key  type`` blocks in the text blocks of ``page``: {block: {key: type}}."""
+    blocks: dict = {}
+    for fence in re.findall(r"^```text\n(.*?)^```", page.read_text(), re.S | re.M):
+        current = None
+        for line in fence.splitlines():
+            header = re.match(r"^(\w+):$", line)
+            if header:
+                current = blocks.setdefault(header.group(1), {})
+                continue
+            if line and not line.startswith(" "):
+                current = None
+            entry = re.match(r"^  (\w+)\s+(\S+)", line)
+            if current is not None and entry:
+                current[entry.group(1)] = entry.group(2)
     return blocks
 
 
@@ -248,8 +251,8 @@ def _check_object(value, block: str, blocks: dict, where: str) -> None:
         _check(value[key], kind, blocks, f"{where}.{key}")
 
 
-def test_docstring_documents_both_json_objects():
-    blocks = _doc_blocks(diagnose.__doc__)
+def test_docs_page_documents_both_json_objects():
+    blocks = _doc_blocks()
     assert {
         "diagnose",
         "run",
@@ -270,7 +273,7 @@ def test_diagnose_leaky_hybrid_json_schema_and_exit_1(capsys, model_dirs):
         capsys, "diagnose", "--model", model_dirs["hybrid"], "--max-tokens", 60, "--json"
     )
     report = json.loads(out)
-    _check_object(report, "diagnose", _doc_blocks(diagnose.__doc__), "report")
+    _check_object(report, "diagnose", _doc_blocks(), "report")
     assert status == report["exit_status"] == 1
     assert report["schema"] == diagnose.SCHEMA and report["model_type"] == "qwen3_next"
     assert report["leak"] is True and report["leak_sites"] == [LEFT_PADDING]
@@ -313,7 +316,7 @@ def test_diagnose_dense_llama_exit_0(capsys, model_dirs):
         capsys, "diagnose", "--model", model_dirs["llama"], "--max-tokens", 60, "--json"
     )
     report = json.loads(out)
-    _check_object(report, "diagnose", _doc_blocks(diagnose.__doc__), "report")
+    _check_object(report, "diagnose", _doc_blocks(), "report")
     assert status == report["exit_status"] == 0
     assert report["leak"] is False and report["leak_sites"] == [] and report["fix_removes_leak"] is None
     for run in report["runs"]:
@@ -358,7 +361,7 @@ def test_to_the_limit_forecast_at_one_percent_within_one_percent(capsys, model_d
         "--json",
     )
     report = json.loads(out)
-    _check_object(report, "to_the_limit", _doc_blocks(diagnose.__doc__), "report")
+    _check_object(report, "to_the_limit", _doc_blocks(), "report")
     assert status == report["exit_status"] == 0
     failure = report["failure"]
     assert failure["kind"] == "estimate_crossed_limit" and report["limit_source"] == "--limit"
@@ -417,27 +420,29 @@ def test_to_the_limit_needs_a_limit_without_metal(capsys):
 
 def test_to_the_limit_reports_children_that_end_without_a_failing_step():
     def outcome(records, events, returncode, stderr="", stalled=False):
-        return diagnose._ChildOutcome(records, events, returncode, stderr, stalled)
+        return to_the_limit.ChildOutcome(records, events, returncode, stderr, stalled)
 
     config = {"limit": 1000}
     records = [(s, 100 + 2 * s, 450.0) for s in range(1, 101)]
-    cap = diagnose._limit_report(outcome(records, [{"event": "cap", "step": 100}], 0), config, "m", "batched")
+    cap = to_the_limit.limit_report(
+        outcome(records, [{"event": "cap", "step": 100}], 0), config, "m", "batched"
+    )
     assert cap["failure"]["kind"] == "step_cap" and cap["exit_status"] == 1 and cap["forecast"] is None
-    died = diagnose._limit_report(outcome(records, [], 1, "Segmentation fault\n"), config, "m", "batched")
+    died = to_the_limit.limit_report(outcome(records, [], 1, "Segmentation fault\n"), config, "m", "batched")
     assert died["failure"] == {
         "kind": "child_died",
         "step": None,
         "error": "exit status 1: Segmentation fault",
     }
     assert died["exit_status"] == 1
-    stuck = diagnose._limit_report(outcome(records, [], -9, stalled=True), config, "m", "batched")
+    stuck = to_the_limit.limit_report(outcome(records, [], -9, stalled=True), config, "m", "batched")
     assert stuck["failure"]["kind"] == "stalled"
-    usage = diagnose._limit_report(
+    usage = to_the_limit.limit_report(
         outcome([], [{"event": "error", "usage": True, "error": "x"}], 2), config, "m", "batched"
     )
     assert usage["exit_status"] == 2
     # Metal's real error in the stderr of a child that aborted after step 100: it failed in step 101.
-    real = diagnose._limit_report(
+    real = to_the_limit.limit_report(
         outcome(records, [], -6, "libc++abi: [metal::malloc] Resource limit (499000) exceeded.\n"),
         config,
         "m",
@@ -447,7 +452,7 @@ def test_to_the_limit_reports_children_that_end_without_a_failing_step():
     # The only forecast (450) was made from step 1 on, so the 1% one is at step 2 (1.98%).
     assert real["forecast"] == {"made_at_step": 2, "made_at_percent": 1.98, "limit_step": 450.0}
     assert real["error_percent"] == pytest.approx(100 * (450 - 101) / 101, abs=1e-3)
-    blocks = _doc_blocks(diagnose.__doc__)
+    blocks = _doc_blocks()
     for report in (cap, died, stuck, usage, real):
         _check_object(report, "to_the_limit", blocks, "report")
 
@@ -487,24 +492,26 @@ def _parse(*argv):
     return cli.build_parser(load_serve=False).parse_args([str(a) for a in argv])
 
 
-def test_flags_follow_mlx_lm_and_old_spellings_still_work(capsys):
+def test_flags_follow_mlx_lm(capsys):
     args = _parse("demo", "-m", 7, "--batch-size", 3)
     assert (args.max_tokens, args.batch_size) == (7, 3)
     assert capsys.readouterr().err == ""
-    args = _parse("demo", "--steps", 9, "--batch", 4)  # the old names: same values, a warning each
-    assert (args.max_tokens, args.batch_size) == (9, 4)
-    err = capsys.readouterr().err
-    assert (
-        "--steps is deprecated, use --max-tokens" in err and "--batch is deprecated, use --batch-size" in err
-    )
     args = _parse("diagnose", "--model", "m", "--max-tokens", 5, "-p", "hi", "--path", "plain")
     assert (args.max_tokens, args.prompt, diagnose.selected_paths(args)) == (5, ["hi"], ["plain"])
-    assert diagnose.selected_paths(_parse("diagnose", "--batch")) == ["batched"]
-    assert diagnose.selected_paths(_parse("diagnose", "--plain")) == ["plain"]
+    assert diagnose.selected_paths(_parse("diagnose", "--path", "batched")) == ["batched"]
     assert diagnose.selected_paths(_parse("diagnose")) == ["batched", "plain"]
     capsys.readouterr()
     status, out, _ = run_main(capsys, "diagnose", "--help")
-    assert "--max-tokens" in out and "--steps" not in out and "--batch " not in out  # aliases are hidden
+    assert "--max-tokens" in out and "--steps" not in out
+    # The old spellings of 0.1's development (--steps, diagnose --plain/--batch) are gone.
+    for argv in (
+        ["demo", "--steps", 9],
+        ["diagnose", "--steps", 9],
+        ["diagnose", "--plain"],
+        ["diagnose", "--batch"],
+    ):
+        status, _, err = run_main(capsys, *argv)
+        assert status == 2 and "deprecated" not in err, (argv, err)
     status, _, err = run_main(capsys, "diagnose", "--path", "sideways")
     assert status == 2 and "invalid choice: 'sideways'" in err
     status, _, err = run_main(capsys, "demo", "--plot", "picture.jpg")
@@ -624,7 +631,18 @@ def test_plot_without_matplotlib_is_one_line_and_fails_before_decoding(tmp_path)
 
 
 @pytest.mark.parametrize(
-    "module", ["commands.common", "commands.demo", "commands.diagnose", "commands.serve", "commands.plot"]
+    "module",
+    [
+        "commands.common",
+        "commands.decode",
+        "commands.demo",
+        "commands.diagnose",
+        "commands.load",
+        "commands.plot",
+        "commands.scan",
+        "commands.serve",
+        "commands.to_the_limit",
+    ],
 )
 def test_subcommand_modules_do_not_import_the_entry_point(module):
     code = f"import sys, mlx_watchdog.{module}; print('mlx_watchdog.commands.main' in sys.modules)"
@@ -705,8 +723,8 @@ def test_to_the_limit_shows_progress_on_a_terminal(monkeypatch, model_dirs):
         "--json",
     )
     report_console = Console(file=io.StringIO(), width=200)
-    monkeypatch.setattr(diagnose, "print_json", lambda document: out.write(json.dumps(document)))
-    assert diagnose.to_the_limit(args, report_console, bar_console) == 0
+    monkeypatch.setattr(to_the_limit, "print_json", lambda document: out.write(json.dumps(document)))
+    assert to_the_limit.run(args, report_console, bar_console) == 0
     text = out.getvalue()
     assert "child: resident ~" in text and "steps to the forecast limit" in text
     assert '"failure": {"kind": "estimate_crossed_limit"' in text

@@ -1,14 +1,15 @@
 """What every ``mlx-watchdog`` subcommand shares: exit codes, the usage error, argument types,
-the flags spelled like mlx-lm's, and the consoles.
+the flags spelled like mlx-lm's, the consoles and how numbers are written.
 
 The subcommands (demo.py, diagnose.py, serve.py, scan.py, ...) import this module, never
-``mlx_watchdog.cli``: the entry point imports them, so they must not import it back.
+``main.py``: the entry point imports them, so they must not import it back.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -67,36 +68,11 @@ def plot_file(text: str) -> str:
     return text
 
 
-class _DeprecatedAlias(argparse.Action):
-    """An old spelling of a flag: stores into the new flag's dest and says so on stderr."""
-
-    def __init__(self, option_strings, dest, new: str = "", **kwargs):
-        self.new = new
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(f"{parser.prog}: warning: {option_string} is deprecated, use {self.new}", file=sys.stderr)
-        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
-
-
-def deprecated_alias(parser, old: str, new: str, dest: str, **kwargs) -> None:
-    """Accept ``old`` as a hidden spelling of ``new`` (same ``dest``), with a warning."""
-    parser.add_argument(
-        old,
-        dest=dest,
-        action=_DeprecatedAlias,
-        new=new,
-        help=argparse.SUPPRESS,
-        default=argparse.SUPPRESS,
-        **kwargs,
-    )
-
-
 # --------------------------------------------------------------------------- flags shared by commands
 
 
 def add_max_tokens(parser, default: int, help: str) -> None:
-    """``--max-tokens/-m N`` (mlx_lm.generate's spelling); ``--steps`` is its old name."""
+    """``--max-tokens/-m N`` (mlx_lm.generate's spelling)."""
     parser.add_argument(
         "-m",
         "--max-tokens",
@@ -106,7 +82,6 @@ def add_max_tokens(parser, default: int, help: str) -> None:
         metavar="N",
         help=f"{help} (default: %(default)s)",
     )
-    deprecated_alias(parser, "--steps", "--max-tokens", "max_tokens", type=positive_int, metavar="N")
 
 
 def add_output_flags(parser, what: str) -> None:
@@ -205,3 +180,50 @@ def print_json(document: dict) -> None:
     """The one JSON document a command prints (``--json``)."""
     sys.stdout.write(json.dumps(document, indent=2) + "\n")
     sys.stdout.flush()
+
+
+def finite(x: float | None) -> float | None:
+    """``x``, or None where it is infinite or not a number (JSON has no infinity: "never")."""
+    return None if x is None or math.isinf(x) or math.isnan(x) else float(x)
+
+
+def format_count(x: float | None) -> str:
+    """A step count for people: "12,345", or "never" (None)."""
+    return "never" if x is None else f"{x:,.0f}"
+
+
+def format_duration(seconds: float | None) -> str:
+    """A time for people: "42 s", "17 min", "3.5 h", or "never" (None or infinite)."""
+    if seconds is None or math.isinf(seconds):
+        return "never"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def package_version(dist: str) -> str:
+    """The installed version of the distribution ``dist`` ("?" if it is not installed)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def versions() -> dict:
+    """The versions a report records: mlx, mlx-lm and this package."""
+    import mlx.core as mx
+
+    from .. import __version__
+
+    return {
+        "mlx": str(getattr(mx, "__version__", "?")),
+        "mlx_lm": package_version("mlx-lm"),
+        "mlx_watchdog": __version__,
+    }

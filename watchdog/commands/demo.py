@@ -17,10 +17,10 @@ batch (``deepseek_v41``) runs the plain path (``generate_step``, one sequence) i
 ``/metrics`` is served on loopback meanwhile.
 
 ``--json`` prints one JSON document on stdout (the live display goes to stderr): diagnose's
-report shape (``pydoc mlx_watchdog.diagnose``: ``runs`` with ``readings``, ``leaks`` and ``fix``)
-with ``schema`` "mlx-watchdog.demo/1", ``real_limit`` (the device's limit the crash is also
-forecast against), ``real_limit_step`` (the decode step of that crash, null: never) and
-``metrics_url``. ``--plot FILE`` draws it (see ``mlx_watchdog.plot``).
+report shape (docs/diagnose.md: ``runs`` with ``readings``, ``leaks`` and ``fix``) with
+``schema`` "mlx-watchdog.demo/1", ``real_limit`` (the device's limit the crash is also forecast
+against), ``real_limit_step`` (the decode step of that crash, null: never) and ``metrics_url``.
+``--plot FILE`` draws it (``plot.py``).
 
 Exit status: 0 the fix removed the growth with identical tokens, 1 it did not, 2 usage errors.
 """
@@ -41,11 +41,14 @@ from .common import (
     add_max_tokens,
     add_output_flags,
     consoles,
-    deprecated_alias,
+    finite,
+    format_duration,
     port_number,
     positive_int,
     print_json,
 )
+from .decode import LEAK_MIN_GROWTH, PassResult, decode_pass
+from .diagnose import run_entry
 
 DESCRIPTION = (
     "Build a tiny random-weight hybrid model in memory (no download), decode it through "
@@ -59,10 +62,8 @@ DEFAULT_LAYERS = 12  # qwen3_next with full attention every 4th layer: 9 linear 
 DEFAULT_LIMIT = 10_000  # scaled down from Metal's 499,000 so the forecast crash is seconds away
 DEFAULT_BATCH = 2
 PROMPT_TOKENS = 8
-FIX_MAX_GROWTH = 0.01
-# The demo lets the watchdog walk more often than the 1% default, so the display moves from the
-# first steps even on a busy 2-core machine (the walks are cheap here: the chains are short),
-# and with no walk interval: the display follows every walk the budget allows.
+# Walks more often than the 1% default (and no walk interval), so the display moves from the
+# first steps: the chains are short, the walks cheap.
 OVERHEAD_BUDGET = 0.05
 REFRESH_SECONDS = 0.25
 DEFAULT_METRICS_PORT = 9464  # the exporter's default (OpenTelemetry's Prometheus port)
@@ -99,7 +100,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="N",
         help="sequences decoded together (default: %(default)s)",
     )
-    deprecated_alias(parser, "--batch", "--batch-size", "batch_size", type=positive_int, metavar="N")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default: 0)")
     parser.add_argument(
         "--metrics-port",
@@ -109,16 +109,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="port of /metrics on 127.0.0.1 (default: %(default)s; 0 picks a free one)",
     )
     parser.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
-    add_output_flags(parser, "the report of `pydoc mlx_watchdog.demo`")
+    add_output_flags(parser, "diagnose's report shape: docs/demo.md")
     return parser
 
 
 @dataclasses.dataclass
 class DemoOutcome:
-    """What the two passes did (``diagnose.PassResult`` each) and the exit status."""
+    """What the two passes did and the exit status."""
 
-    first: Any  # watched only
-    second: Any  # Watchdog(fix=True)
+    first: PassResult  # watched only
+    second: PassResult  # Watchdog(fix=True)
     exit_status: int
     metrics_url: str | None = None
 
@@ -145,16 +145,14 @@ def run(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace, outcome: DemoOutcome) -> dict:
     """The ``--json`` document (diagnose's report shape, see the module docstring)."""
     from ..core.limits import resolve_limit
-    from .diagnose import _finite, _run_entry
 
-    entry = _run_entry(outcome.first, outcome.second)
-    entry.pop("_limit")
+    entry = run_entry(outcome.first, outcome.second)
     real_limit = resolve_limit(None)
     f = outcome.first.forecast
     growth = max(0.0, f.buffers_per_step)
     real_step = None
     if growth > 0:
-        real_step = _finite(f.step - outcome.first.step_offset + (real_limit - f.resident_buffers) / growth)
+        real_step = finite(f.step - outcome.first.step_offset + (real_limit - f.resident_buffers) / growth)
     return {
         "schema": SCHEMA,
         "model": f"tiny:{args.model_type}",
@@ -226,7 +224,6 @@ def _start_metrics(args: argparse.Namespace, console):
 def _passes(args: argparse.Namespace, model, console, real_limit: int):
     from .. import tiny
     from ..core.watchdog import Watchdog
-    from .diagnose import decode_pass
 
     prompts = tiny.tiny_prompts(args.batch_size, PROMPT_TOKENS, seed=args.seed)
     unbatchable = _unbatchable_cache(model)
@@ -339,7 +336,7 @@ def _verdict(console, first, second, real_limit: int) -> int:
     if growth > 0:
         real_steps = max(0.0, (real_limit - f.resident_buffers) / growth)
         rate = f.step_rate
-        when = f" (~{_duration(real_steps / rate)} at {rate:.0f} steps/s)" if rate > 0 else ""
+        when = f" (~{format_duration(real_steps / rate)} at {rate:.0f} steps/s)" if rate > 0 else ""
         console.print(
             f"at the real limit of {real_limit:,} buffers this decode would crash after "
             f"~{f.step - first.step_offset + real_steps:,.0f} steps{when}."
@@ -348,8 +345,8 @@ def _verdict(console, first, second, real_limit: int) -> int:
         f"growth: {growth:+.3g} buffers/step watched, {fixed_growth:+.3g} with the fix; "
         f"tokens {'identical' if identical else 'DIFFERENT'} ({compared:,} compared)."
     )
-    ok = fixed_growth < FIX_MAX_GROWTH and identical
-    if ok and growth >= FIX_MAX_GROWTH:
+    ok = fixed_growth < LEAK_MIN_GROWTH and identical
+    if ok and growth >= LEAK_MIN_GROWTH:
         console.print("VERDICT: the fix removes the leak and the tokens are unchanged.", style="bold green")
     elif ok:
         console.print(
@@ -361,16 +358,6 @@ def _verdict(console, first, second, real_limit: int) -> int:
     return EXIT_OK if ok else EXIT_LEAK
 
 
-def _duration(seconds: float) -> str:
-    if math.isinf(seconds):
-        return "never"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 class _View:
     """The live display of one pass: rich's Live (progress bar + table) on a terminal, plain
     periodic lines otherwise (rich's Console detects which)."""
@@ -380,9 +367,9 @@ class _View:
         self.live = console.is_terminal
         self.every = max(1, steps // 8)
         self._last_refresh = 0.0
-        self._progress = None
-        self._task = None
-        self._live = None
+        self._progress: Any = None  # rich's Progress, Live and task id, on a terminal
+        self._task: Any = None
+        self._live: Any = None
         self._walks_at_start: int | None = None
         self._offset = 0  # watchdog steps (forward passes) before decode step 1
 
@@ -447,12 +434,16 @@ class _View:
         elif math.isinf(f.steps_to_limit):
             crash = "never"
         else:
-            crash = f"step {f.limit_step - self._offset:,.0f} (in {_duration(f.seconds_to_limit)})"
+            crash = f"step {f.limit_step - self._offset:,.0f} (in {format_duration(f.seconds_to_limit)})"
         leaks = f.leaks
         if watchdog.fix and leaks:
-            sites = ", ".join(f"{leak.site} +{leak.buffers_per_step:.3g}/step cut by the fix" for leak in leaks[:3])
+            sites = ", ".join(
+                f"{leak.site} +{leak.buffers_per_step:.3g}/step cut by the fix" for leak in leaks[:3]
+            )
         else:
-            sites = ", ".join(f"{leak.site} +{leak.buffers_per_step:.3g}/step" for leak in leaks[:3]) or "none"
+            sites = (
+                ", ".join(f"{leak.site} +{leak.buffers_per_step:.3g}/step" for leak in leaks[:3]) or "none"
+            )
         return {"forecast": f, "tps": tps, "crash": crash, "sites": sites}
 
     def _line(self, watchdog, elapsed: float, steps: int) -> str:

@@ -8,7 +8,9 @@
 
 Each subcommand is a module with ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args)``,
 registered in ``build_parser``; what they share (exit codes, argument types, consoles) is in
-``cli_common``, which they import instead of this module.
+``common.py``, which they import instead of this module. ``decode.py`` (the watched decode),
+``load.py`` (``--model``) and ``to_the_limit.py`` (``diagnose --to-the-limit``'s child process)
+serve the commands.
 
 Exit status: 0 fine, 1 a leak was found (diagnose) or the fix did not hold (demo), 2 usage or
 load errors (a bad option, a model that cannot be loaded, a port in use). ``serve`` otherwise

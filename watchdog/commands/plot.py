@@ -7,7 +7,7 @@ on to the limit: the forecast crash step and the limit. The legend names the top
 The input is the report the command prints with ``--json`` (its ``runs``, each with
 ``readings`` and ``fix.readings``), so a plot can also be drawn later from a saved report:
 
-    python -m mlx_watchdog.plot report.json leak.png
+    python -m mlx_watchdog.commands.plot report.json leak.png
 
 matplotlib is an optional extra (``pip install 'mlx-watchdog[plot]'``); nothing here imports
 pyplot, so no GUI backend or global figure state is involved.
@@ -97,8 +97,8 @@ def _measured(ax, run: dict, limit: float) -> None:
             ax.plot(xs, ys, "o", color=color, markersize=3, label=f"{label} (graph walks)")
         anchor = _fitted(readings, rate, crash, limit)
         if anchor is not None:
-            xs, ys = _line(anchor, rate, 0, steps)
-            ax.plot(xs, ys, "-", color=color, linewidth=1.2, label=f"fit {rate:+.3g} buffers/step")
+            line_x, line_y = _line(anchor, rate, 0, steps)
+            ax.plot(line_x, line_y, "-", color=color, linewidth=1.2, label=f"fit {rate:+.3g} buffers/step")
     ax.set_title(
         f"{run['path']} path, batch {run['batch_size']}: {steps:,} decode steps measured", fontsize=10
     )
@@ -157,7 +157,7 @@ def save(report: dict, path: str) -> str:
 def main(argv: list | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m mlx_watchdog.plot REPORT.json FILE.png|FILE.svg", file=sys.stderr)
+        print("usage: python -m mlx_watchdog.commands.plot REPORT.json FILE.png|FILE.svg", file=sys.stderr)
         return 2
     try:
         save(json.loads(Path(argv[0]).read_text()), argv[1])

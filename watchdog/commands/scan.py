@@ -48,7 +48,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from .common import EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, positive_int
+from .common import EXIT_LEAK, EXIT_OK, EXIT_USAGE, UsageError, positive_int, versions
+from .decode import LEAK_MIN_GROWTH, decode_pass, leaking
 
 SCHEMA = "mlx-watchdog.scan/1"
 PATHS = ("plain", "batched", "unequal", "join", "quantized")
@@ -56,10 +57,9 @@ DEFAULT_PATHS = ("plain", "batched", "unequal", "join")
 DEFAULT_STEPS = 100
 DEFAULT_TIMEOUT = 240.0
 LIMIT = 499_000
-LEAK_MIN_GROWTH = 0.01  # buffers/step: at or above this a path leaks
 PROMPT_LENGTHS = {"plain": (8,), "batched": (8, 8), "unequal": (5, 11), "join": (8, 8, 6), "quantized": (8,)}
+DECODE_PATHS = {"unequal": "batched"}  # scan's paths that decode.py decodes as another (its prompts differ)
 CHILD_FLAG = "--child"
-JOIN_SETTLE = 3  # decode steps after a join before the growth is measured afresh
 
 DESCRIPTION = (
     "Build every model family of the installed mlx-lm (or the ones named) tiny, with its real "
@@ -312,23 +312,13 @@ def _children_cpu() -> float:
 
 
 def build_report(results: list[dict], options: dict, seconds: float, cpu_seconds: float = 0.0) -> dict:
-    import importlib.metadata
-
-    import mlx.core as mx
-
-    from .. import __version__
-
     ok = [r for r in results if r["status"] == "ok"]
-    leaking = [r["family"] for r in ok if any(run["leak"] for run in r["runs"])]
+    leaky = [r["family"] for r in ok if any(run["leak"] for run in r["runs"])]
     failed = [r["family"] for r in results if r["status"] != "ok"]
     path_errors = [f"{r['family']}:{run['path']}" for r in ok for run in r["runs"] if run.get("error")]
     return {
         "schema": SCHEMA,
-        "versions": {
-            "mlx": mx.__version__,
-            "mlx_lm": importlib.metadata.version("mlx-lm"),
-            "mlx_watchdog": __version__,
-        },
+        "versions": versions(),
         "options": options,
         "seconds": round(seconds, 1),
         "cpu_seconds": round(cpu_seconds, 1),  # of the children: over N idle cores it takes about this / N
@@ -336,7 +326,7 @@ def build_report(results: list[dict], options: dict, seconds: float, cpu_seconds
         "summary": {
             "families": len(results),
             "built": len(ok),
-            "leaking": leaking,
+            "leaking": leaky,
             "failed": failed,
             "path_errors": path_errors,
         },
@@ -369,7 +359,7 @@ def _fix(run: dict) -> str:
 
 def rows(report: dict) -> list[tuple[str, ...]]:
     """(family, layers, path, leak/step, crash at step, sites, fix) for each run of a built family."""
-    out = []
+    out: list[tuple[str, ...]] = []
     for r in report["families"]:
         if r["status"] != "ok":
             continue
@@ -472,101 +462,47 @@ def scan_path(model, path: str, steps: int, limit: int = LIMIT, fix: bool = True
     from .. import tiny
     from ..core.watchdog import Watchdog
 
-    prompts = [p for p, n in zip(tiny.tiny_prompts(3, 11, seed=1), PROMPT_LENGTHS[path])]
-    prompts = [p[:n] for p, n in zip(prompts, PROMPT_LENGTHS[path])]
+    prompts = [p[:n] for p, n in zip(tiny.tiny_prompts(3, 11, seed=1), PROMPT_LENGTHS[path])]
 
     def watched(fixing: bool):
         watchdog = Watchdog(
             limit, fix=fixing, fix_every=1, export=False, overhead_budget=0.25, walk_interval=0
         )
-        tokens, offset = decode(model, path, prompts, steps, watchdog)
-        return watchdog, tokens, offset
+        return decode_pass(model, DECODE_PATHS.get(path, path), prompts, steps, watchdog)
 
-    watchdog, tokens, offset = watched(False)
-    f = watchdog.forecast()
-    rate = max(0.0, f.buffers_per_step)
-    leak = rate >= LEAK_MIN_GROWTH or any(site.buffers_per_step >= LEAK_MIN_GROWTH for site in f.leaks)
+    result = watched(False)
+    f = result.watchdog.forecast()
+    leak = leaking(f)
     entry = {
         "path": path,
-        "steps": max(len(t) for t in tokens.values()),
-        "sequences": len(tokens),
-        "leak": bool(leak),
-        "buffers_per_step": round(rate, 3),
+        "steps": result.decode_steps,
+        "sequences": result.sequences,
+        "leak": leak,
+        "buffers_per_step": round(max(0.0, f.buffers_per_step), 3),
         "leaks": [
             {
-                "site": leak.site,
-                "buffers_per_step": round(leak.buffers_per_step, 3),
-                "buffers": leak.buffers,
-                "paths": list(leak.paths[:4]),
-                "source": leak.source,
+                "site": site.site,
+                "buffers_per_step": round(site.buffers_per_step, 3),
+                "buffers": site.buffers,
+                "paths": list(site.paths[:4]),
+                "source": site.source,
             }
-            for leak in f.leaks
+            for site in f.leaks
         ],
         "resident_buffers": f.resident_buffers,
-        "limit_step": None if f.steps_to_limit == float("inf") else round(f.limit_step - offset),
+        "limit_step": None if f.steps_to_limit == float("inf") else round(f.limit_step - result.step_offset),
         "fix": None,
     }
     if leak and fix:
-        fixed, fixed_tokens, _ = watched(True)
-        g = fixed.forecast()
-        growth = max(0.0, g.buffers_per_step)
-        identical = fixed_tokens == tokens
+        fixed = watched(True)
+        growth = max(0.0, fixed.watchdog.forecast().buffers_per_step)
+        identical = fixed.tokens == result.tokens
         entry["fix"] = {
             "buffers_per_step": round(growth, 3),
             "tokens_identical": identical,
             "cures": bool(identical and growth < LEAK_MIN_GROWTH),
         }
     return entry
-
-
-def decode(model, path: str, prompts: list[list[int]], steps: int, watchdog) -> tuple[dict, int]:
-    """Decode ``steps`` steps on ``path`` with ``watchdog`` watching ``model``. Returns the tokens
-    of each sequence and the forward passes before decode step 1 (the prefill's)."""
-    from ..attach.model import unwatch_model, watch_model
-
-    watch_model(model, watchdog)
-    tokens: dict[int, list[int]] = {}
-    offset = 0
-    try:
-        for step, new in enumerate(_steps(model, path, prompts, steps), 1):
-            for sequence, token in new:
-                tokens.setdefault(sequence, []).append(token)
-            # The decode is measured, not the prefill filling the cache once, nor the joining
-            # request's merge into the batch (a one-off jump: read within the window, a slope).
-            if step == 1 or (path == "join" and step == join_step(steps) + JOIN_SETTLE):
-                watchdog.reset()
-                offset = watchdog.steps - step  # forward passes that were no decode step
-    finally:
-        unwatch_model(model)
-    return tokens, offset
-
-
-def join_step(steps: int) -> int:
-    return max(1, steps // 3)
-
-
-def _steps(model, path: str, prompts: list[list[int]], steps: int):
-    import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator, generate_step
-
-    if path in ("plain", "quantized"):
-        extra = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0} if path == "quantized" else {}
-        for token, _ in generate_step(mx.array(prompts[0]), model, max_tokens=steps, **extra):
-            yield [(0, int(token))]
-        return
-    generator = BatchGenerator(model, max_tokens=steps)
-    try:
-        first = prompts[:2]
-        uids = generator.insert(first)
-        index = {uid: i for i, uid in enumerate(uids)}
-        step = 0
-        while responses := generator.next_generated():
-            step += 1
-            yield [(index[r.uid], int(r.token)) for r in responses]
-            if path == "join" and step == join_step(steps):  # a request joins the running batch
-                index[generator.insert([prompts[2]])[0]] = 2
-    finally:
-        generator.close()
 
 
 def _child_entry(argv: Sequence[str]) -> int:

@@ -307,7 +307,11 @@ def _terminate_as_interrupt() -> Callable[[], None]:
         previous = signal.signal(signal.SIGTERM, interrupt)
     except (ValueError, OSError):
         return lambda: None
-    return lambda: signal.signal(signal.SIGTERM, previous)
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore
 
 
 def main(argv: Sequence[str] | None = None) -> int:

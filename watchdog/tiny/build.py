@@ -13,6 +13,7 @@ import itertools
 import json
 import random
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,7 +38,7 @@ CHAT_TEMPLATE = (
 )
 
 # Sizes every model type shares: 64 wide, 4 query heads of 32, 2 KV heads.
-_COMMON = {
+_COMMON: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_attention_heads": 4,
@@ -50,7 +51,7 @@ _COMMON = {
     "tie_word_embeddings": False,
 }
 
-_MOE = {
+_MOE: dict[str, Any] = {
     "num_experts": 16,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
@@ -59,7 +60,7 @@ _MOE = {
     "norm_topk_prob": True,
 }
 
-_CONFIGS = {
+_CONFIGS: dict[str, dict[str, Any]] = {
     # llama.Model.make_cache ignores generate's max_kv_size (a RotatingKVCache
     # must be passed as prompt_cache); qwen3 has no make_cache, so it gets one.
     "llama": {},
@@ -177,7 +178,7 @@ def randomize(model: nn.Module) -> None:
             if p.ndim >= 2 and mx.issubdtype(p.dtype, mx.floating)
             else p,
         )
-        for name, p in tree_flatten(model.parameters())
+        for name, p in _parameters(model)
     ]
     model.update(tree_unflatten(params))
 
@@ -186,12 +187,17 @@ def _cast(model: nn.Module, dtype) -> None:
     """Cast the floating parameters the model allows to ``dtype``."""
     keep = getattr(model, "cast_predicate", lambda name: True)
 
-    def cast(name, p):
+    def cast_one(name, p):
         floating = mx.issubdtype(p.dtype, mx.floating)
         return p.astype(dtype) if floating and keep(name) else p
 
-    params = [(name, cast(name, p)) for name, p in tree_flatten(model.parameters())]
+    params = [(name, cast_one(name, p)) for name, p in _parameters(model)]
     model.update(tree_unflatten(params))
+
+
+def _parameters(model: nn.Module) -> list[tuple[str, mx.array]]:
+    """The model's parameters as (name, array) pairs (``tree_flatten``'s list form)."""
+    return cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
 
 
 def _bytes_to_unicode() -> dict[int, str]:

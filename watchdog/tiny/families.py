@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.abc
+import importlib.util
 import inspect
 import pkgutil
 import re
 import typing
+from collections.abc import Callable
 from typing import Any
 
 DEFAULT_LAYERS = 24  # where ModelArgs has no layer count of its own (a mid-size checkpoint's depth)
@@ -227,7 +230,7 @@ def _kimi(n: int) -> dict:
 
 # The layer pattern of the hybrid families: their layer-type fields, for ``layers`` layers.
 # Each is a checkpoint's pattern, repeated (the ratio of layer kinds is the real one).
-PATTERNS = {
+PATTERNS: dict[str, Callable[[int], dict[str, Any]]] = {
     # Nemotron-H 8B-like: Mamba2 (M), MLP (-), attention without RoPE (*): 4 attention of 52.
     "nemotron_h": lambda n: {"hybrid_override_pattern": _nemotron_h(n)},
     # Granite-4.0-H: mamba layers, every 6th attention (NoPE: position_embedding_type "nope").
@@ -311,7 +314,11 @@ def families() -> list[str]:
     names = []
     for info in pkgutil.iter_modules(models.__path__):
         try:
-            source = info.module_finder.find_spec(info.name).loader.get_source(info.name) or ""
+            spec = importlib.util.find_spec(f"{models.__name__}.{info.name}")
+            loader = spec.loader if spec is not None else None
+            if not isinstance(loader, importlib.abc.InspectLoader):
+                continue
+            source = loader.get_source(f"{models.__name__}.{info.name}") or ""
         except Exception:
             continue
         if re.search(r"^class Model\(", source, re.M) and re.search(r"^class ModelArgs\(", source, re.M):
