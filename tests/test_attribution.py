@@ -221,8 +221,8 @@ def test_diagnose_reports_the_source_line(tmp_path, capsys):
     from mlx_watchdog.commands import main as cli
 
     model_dir = tiny.save_model_dir(tmp_path / "hybrid", "qwen3_next", layers=8)
-    assert cli.main(["diagnose", "--model", str(model_dir), "--steps", "40", "--batch", "--json"]) == 1
+    assert cli.main(["diagnose", "--model", str(model_dir), "-m", "40", "--path", "batched", "--json"]) == 1
     leak = json.loads(capsys.readouterr().out)["runs"][0]["leaks"][0]
     assert leak["site"] == "ArraysCache.left_padding" and ADVANCE.match(leak["source"]), leak
-    assert cli.main(["diagnose", "--model", str(model_dir), "--steps", "40", "--batch"]) == 1
+    assert cli.main(["diagnose", "--model", str(model_dir), "-m", "40", "--path", "batched"]) == 1
     assert f"ArraysCache.left_padding is rebound at {leak['source']}" in capsys.readouterr().out

@@ -91,7 +91,7 @@ def test_diagnose_with_defaults_under_load_finds_the_leak(tmp_path):
 
     model_dir = tiny.save_model_dir(tmp_path / "hybrid", "qwen3_next", layers=8)
     with cpu_load():
-        status = cli.main(["diagnose", "--model", str(model_dir), "--steps", "64", "--batch"])
+        status = cli.main(["diagnose", "--model", str(model_dir), "-m", "64", "--path", "batched"])
     assert status == 1  # 1: a leak was found
 
 
