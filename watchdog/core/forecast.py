@@ -154,11 +154,10 @@ def epoch_slope(points: Sequence[tuple[float, float, int]]) -> float | None:
 def _split_level_shifts(y: np.ndarray, epoch: np.ndarray) -> np.ndarray:
     """Epoch labels with each epoch cut at a level shift: one rise between two readings whose
     excess over the typical rise is at least half of all the excess, with two readings or more on
-    each side. A batch that
-    shrinks in place (``BatchGenerator`` filters the same caches when requests finish) moves the
-    level once; in a window where half the pairs straddle that step, Theil-Sen reads it as
-    growth (seen: +1.08/step, flat in truth). A steady leak read at any spacing has the same slope
-    on both sides of a cut, so cutting it changes nothing."""
+    each side. A batch that shrinks in place (``BatchGenerator`` filters the same caches when
+    requests finish) moves the level once; in a window where half the pairs straddle that step,
+    Theil-Sen reads it as growth. A steady leak read at any spacing has the same slope on both
+    sides of a cut, so cutting it changes nothing."""
     labels = epoch.copy()
     for e in np.unique(epoch):
         members = np.flatnonzero(epoch == e)

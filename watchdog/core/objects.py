@@ -15,15 +15,13 @@ raise, block, allocate or have side effects. So the walk reads only at the level
   ``dict.copy`` nor ``dict.__getitem__``: on a subclass they call its ``keys`` / ``__missing__``.
 
 Reading must not change the program's speed either. From CPython 3.11 an instance keeps its
-attributes inline, with no dict object, until something asks for its ``__dict__``; from then on
-it carries a real dict, and every attribute access the program makes on it is slower for good
-(measured: 3-5.5x on 3.11 and 3.12, 1.7-2x on 3.13; +27-39 us on each forward of a 48-layer
-llama whose 48 caches had been walked once; ~0.8% of an H200 decode step). So instance attributes are
-read by name, with ``object.__getattribute__`` (it reads inline values as they are), the names
-being those the class's own code assigns. The garbage collector's view of the object
-(``gc.get_referents``: its values, nameless, read in C) tells whether those names read all it
-holds; only an object holding something they miss has its ``__dict__`` read, and its names are
-learnt for the other instances of its class.
+attributes inline, with no dict object, until something asks for its ``__dict__``; from then on it
+carries a real dict, and every attribute access the program makes on it is slower for good
+(docs/internals.md has the cost). So instance attributes are read by name, with
+``object.__getattribute__`` (it reads inline values as they are), the names being those the class's
+own code assigns. The garbage collector's view of the object (``gc.get_referents``: its values,
+nameless, read in C) tells whether those names read all it holds; only an object holding something
+they miss has its ``__dict__`` read, and its names are learnt for the other instances of its class.
 """
 
 from __future__ import annotations
