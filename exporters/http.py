@@ -28,6 +28,7 @@ import io
 import logging
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -160,6 +161,8 @@ class BoundedHTTPServer:
         http = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_header_bytes)
         try:
             if self.ssl_context is not None:
+                if sys.version_info < (3, 11):  # StreamWriter.start_tls (the package needs 3.11)
+                    raise RuntimeError("TLS needs Python 3.11 or later")
                 raw = writer.transport
                 try:
                     await writer.start_tls(self.ssl_context, ssl_handshake_timeout=self.idle_timeout)

@@ -130,8 +130,8 @@ def epoch_slope(points: Sequence[tuple[float, float, int]]) -> float | None:
     first = points[0][1]
     if all(p[1] == first for p in points):  # flat (most sites, most readings): no pairs needed
         seen: dict = {}
-        for x, _, epoch in points:
-            if seen.setdefault(epoch, x) != x:
+        for at, _, label in points:
+            if seen.setdefault(label, at) != at:
                 return 0.0
         return None
     latest = points[-1][2]

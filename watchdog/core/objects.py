@@ -75,7 +75,7 @@ _CONTAINERS = (
     (set, SET, lambda s: list(set.__iter__(s)), set.__len__),
     (frozenset, SET, lambda s: list(frozenset.__iter__(s)), frozenset.__len__),
 )
-_GETITEM = {
+_GETITEM: dict[type | None, Callable[[Any, int], Any]] = {
     list: list.__getitem__,
     tuple: tuple.__getitem__,
     collections.deque: collections.deque.__getitem__,
@@ -144,7 +144,7 @@ class TypeInfo:
         return OBJECT
 
     def _find_members(self, cls: type) -> None:
-        slots = []
+        slots: list[tuple[str, Any]] = []
         for klass in _mro(cls):
             for name, value in list(types.MappingProxyType.items(_type_dict(klass))):
                 kind = type(value)
@@ -235,7 +235,7 @@ def _assigned_names(cls: type) -> list[str]:
 
 
 def _stored_names(cls: type) -> list[str]:
-    codes = []
+    codes: list[types.CodeType] = []
     for klass in _mro(cls):
         for value in list(types.MappingProxyType.values(_type_dict(klass))):
             kind = type(value)
@@ -312,7 +312,8 @@ def _named_attributes(value: Any, t: TypeInfo, covered: list, limit: int) -> lis
     """The instance attributes read by name, or None when the object holds something else that
     may hold arrays (set by code outside its class, under a name not seen yet). ``covered``:
     what the caller reads otherwise (slots)."""
-    if t.snapshot is not None and t.length(value) > limit:
+    length = t.length  # set with snapshot, for containers
+    if t.snapshot is not None and length is not None and length(value) > limit:
         return None  # a huge container subclass: not copied twice
     entries, read = [], {id(child) for child in covered}
     for name, default in t.names:

@@ -369,13 +369,18 @@ class Sampler:
         returns the mark. (Gains of arrays walked at other readings would carry the errors of
         those readings' marks along, for good.)"""
         clock = self._clocks.setdefault(site, _SiteClock())
-        if clock.gained(step) is not None:
-            return clock.gained(step)
+        marked = clock.gained(step)
+        if marked is not None:
+            return marked
         mark = None
-        last = None if reference is None else self._history(found[reference])
-        if last is not None and last.step < step:
-            then = clock.gained(last.step)
-            mark = (then[0] + retained[reference] - last.retained, then[1] + nodes[reference] - last.nodes)
+        if reference is not None:
+            last = self._history(found[reference])
+            then = None if last is None else clock.gained(last.step)  # marked: _history checks it
+            if last is not None and then is not None and last.step < step:
+                mark = (
+                    then[0] + retained[reference] - last.retained,
+                    then[1] + nodes[reference] - last.nodes,
+                )
         return clock.advance(step, mark)
 
     def _learn(self, reading: Reading, step: int) -> None:
