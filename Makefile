@@ -60,13 +60,20 @@ typecheck: $(STAMP)
 	ln -s "$$PWD/exporters" .cache/typecheck/mlx_watchdog/exporters
 	$(VENV)/bin/mypy -p mlx_watchdog
 
-# Benchmarks are not part of `make test` (they take minutes and need a quiet machine).
+# The benchmark suite (benchmarks/README.md): not part of `make test`, it takes about an hour and
+# needs a quiet machine. Results go to BENCH_OUT; benchmarks/results/ keeps the curated ones.
+bench: BENCH_OUT ?= .cache/bench
 bench: $(STAMP)
-	$(PY) benchmarks/decode_tokens_per_s.py --model llama --steps 2000 --reps 5 --chunk 100
-	$(PY) benchmarks/decode_tokens_per_s.py --model qwen3_next --steps 2000 --reps 5 --chunk 100
-	$(PY) benchmarks/decode_tokens_per_s.py --model llama --layers 4 --hidden 512 --steps 600 --reps 5 --chunk 100 --variants unwatched,aa,handfix,watched,fix
-	$(PY) benchmarks/decode_tokens_per_s.py --model qwen3_next --layers 4 --long --reps 3 --variants unwatched,aa,watched,fix
-	$(PY) benchmarks/leak_overhead.py --steps 20000 --chunk 1000
+	mkdir -p $(BENCH_OUT)
+	$(PY) benchmarks/paired_speed.py --model llama --layers 48 --steps 2500 --reps 40 --chunk 25 \
+	    --variants unwatched,aa,watched,fix --time-box 900 --jsonl $(BENCH_OUT)/speed_steady.jsonl --out $(BENCH_OUT)/speed_steady.md
+	$(PY) benchmarks/paired_speed.py --model qwen3_next --layers 48 --batch 4 --steps 2500 --reps 5 --chunk 16 \
+	    --variants unwatched,aa,fix,every256,handfix --compare fix:every256,fix:handfix --time-box 900 \
+	    --jsonl $(BENCH_OUT)/speed_long.jsonl --out $(BENCH_OUT)/speed_long.md
+	$(PY) benchmarks/observe_stall.py --out $(BENCH_OUT)/observe_stall.md
+	$(PY) benchmarks/scrape_pause.py --json $(BENCH_OUT)/scrape_pause.json
+	$(PY) benchmarks/prefill_cost.py > $(BENCH_OUT)/prefill_cost.md
+	$(VENV)/bin/mlx-watchdog scan --jobs 2 --quiet --markdown $(BENCH_OUT)/scan.md --json > $(BENCH_OUT)/scan.json
 
 clean:
 	rm -rf $(VENV) .cache build site *.egg-info

@@ -1,4 +1,4 @@
-"""Models, decode loops and the compared variants for ``decode_tokens_per_s.py``.
+"""Models, decode loops and the compared variants of the decode-speed benchmark (``paired_speed.py``).
 
 Every variant decodes the same random-weight model with greedy sampling; only what happens
 around each forward pass differs:
@@ -234,7 +234,7 @@ def watchdog_for(variant: str) -> Watchdog | None:
 def shadow(obj: Any, name: str, replacement: Any) -> None:
     """Shadow the method ``name`` of ``obj`` by an instance attribute (benchmark diagnostics only).
     Refuses a name the class no longer has: a shadow of a renamed method changes nothing, and
-    the diagnostic would silently measure the plain variant (``nowalk`` did, from c468ed7 on)."""
+    the diagnostic would silently measure the plain variant."""
     if not callable(getattr(type(obj), name, None)):
         raise AttributeError(f"{type(obj).__name__} has no method {name!r} to shadow")
     setattr(obj, name, replacement)
@@ -246,8 +246,7 @@ class Decode:
 
     Each variant decodes through its own shallow copy of the model: the layers and weights are
     shared, the top-level object is its own, so a watched variant is attached once, as a program
-    attaches it. (Before, the variants took turns on one object by swapping its class, so only
-    the watched variants changed class at every turn.)"""
+    attaches it (swapping one object's class at every turn cost the watched variants alone)."""
 
     def __init__(self, model, variant: str, path: str, prompts: list[list[int]], steps: int):
         model = copy.copy(model)  # the top-level object only
@@ -289,7 +288,6 @@ class Decode:
         self.seconds = 0.0
         self.cpu_seconds = 0.0  # CPU time of the whole process (all threads) in the chunks
         self.tokens = 0
-        self.chunk_rates = []  # tokens/s of each timed chunk, in order (paired by round in the report)
         self.gc_seconds = 0.0
         self.overhead0 = self.wd.overhead_seconds if self.wd else None
 
@@ -321,7 +319,6 @@ class Decode:
         elapsed = time.perf_counter() - start
         self.gc_seconds += GC_CLOCK.seconds - gc_start
         self.seconds += elapsed
-        self.chunk_rates.append(produced / elapsed)
         cpu = time.process_time() - cpu_start
         self.cpu_seconds += cpu
         self.last_chunk = (produced, elapsed, cpu)  # tokens, seconds, process CPU seconds
@@ -347,13 +344,11 @@ class Decode:
             self.seconds,
             self.cpu_seconds,
             outputs=self.outputs,
-            chunk_rates=self.chunk_rates,
             gc_seconds=self.gc_seconds,
         )
         if self.wd is not None:
             run.overhead_seconds = self.wd.overhead_seconds - self.overhead0
             run.walks = self.wd.walks
-            run.materialized = self.wd.materialized_arrays
         run.retained_at_end = _retained(self.live_cache())  # walked after the timed chunks
         if self.path == "plain":
             self._steps.close()
@@ -371,19 +366,9 @@ class Run:
     cpu_seconds: float  # process CPU time (all threads) over the same chunks
     overhead_seconds: float | None = None  # wd.overhead_seconds over the timed decode
     walks: int | None = None
-    materialized: int | None = None
     retained_at_end: int | None = None  # buffers the cache's pending graphs keep at the end
     outputs: list | None = None
-    chunk_rates: list = dataclasses.field(default_factory=list)  # tokens/s of each chunk, by round
     gc_seconds: float = 0.0  # in Python's garbage collector during the timed chunks
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
-
-    @property
-    def cpu_ms_per_token(self) -> float:
-        return 1000 * self.cpu_seconds / self.tokens
 
 
 def _retained(cache) -> int:
@@ -411,8 +396,7 @@ def interleaved(
     ``on_chunk(round, position, decode)`` is called after each timed chunk. ``deadline`` (a
     ``time.perf_counter()`` value): no round is started that the last one says would end later."""
     order = random.Random(seed)
-    # Built in a random order too: always built first, `unwatched` ran 2-3% faster than the
-    # identical `aa` on the H200 (session 3); the cause is not known, the order removes the bias.
+    # Built in a random order too: the variant always built first ran faster than its A/A twin.
     built = {v: Decode(model, v, path, prompts, steps) for v in order.sample(variants, len(variants))}
     decodes = [built[v] for v in variants]
     done = round_ = 0

@@ -1,11 +1,11 @@
-"""Worst single ``observe()`` and decode tokens/s: the old engine (a git revision) against the new
-one (the working tree), interleaved, in one run.
+"""Worst single ``observe()`` and decode tokens/s: a base revision of the package (``old``) against
+the working tree (``new``), interleaved, in one run.
 
 Each variant runs in a worker process of its own, started once and kept for the whole run:
 
-* ``old``: ``mlx_watchdog`` is the ``watchdog/`` folder of ``--old-rev`` (default 1038e36, the last
-  commit before the rewrite), taken out with ``git archive`` into a temporary folder and put first
-  on the worker's ``PYTHONPATH`` (``--old-src DIR`` takes an old ``watchdog/`` folder instead);
+* ``old``: ``mlx_watchdog`` is the ``watchdog/`` folder of ``--old-rev`` (default HEAD: a change
+  against the commit it starts from), taken out with ``git archive`` into a temporary folder and
+  put first on the worker's ``PYTHONPATH`` (``--old-src DIR`` takes a ``watchdog/`` folder instead);
 * ``new`` and ``new-again``: the working tree's ``watchdog/`` (the same code twice: an A/A pair,
   so the noise of the machine can be judged against the old/new difference);
 * ``unwatched``: the same decode without a watchdog (the reference for tokens/s).
@@ -64,7 +64,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 NEW_SRC = os.path.join(REPO, "watchdog")
-OLD_REV = "1038e36"
+OLD_REV = "HEAD"
 PROTOCOL = "@@observe_stall "
 VARIANTS = {  # name: (engine, watched)
     "old": ("old", True),
@@ -523,13 +523,13 @@ def old_engine(args) -> tuple[str, str]:
     """(the old watchdog/ folder, what it is). Taken out of git once per revision, kept in the temp folder."""
     if args.old_src:
         src = os.path.realpath(args.old_src)
-        if not os.path.isfile(os.path.join(src, "core.py")):
-            raise RuntimeError(f"--old-src {src} holds no core.py: not a watchdog/ folder")
+        if not os.path.isfile(os.path.join(src, "__init__.py")):
+            raise RuntimeError(f"--old-src {src} holds no __init__.py: not a watchdog/ folder")
         return src, f"folder {src}"
     sha = _git("rev-parse", "--verify", f"{args.old_rev}^{{commit}}")
     home = os.path.join(tempfile.gettempdir(), f"mlx_watchdog_old_engine_{sha[:12]}")
     src = os.path.join(home, "watchdog")
-    if not os.path.isfile(os.path.join(src, "core.py")):
+    if not os.path.isfile(os.path.join(src, "__init__.py")):
         staging = tempfile.mkdtemp(prefix="mlx_watchdog_old_engine_", dir=tempfile.gettempdir())
         archive = subprocess.run(
             ["git", "-C", REPO, "archive", sha, "watchdog"], check=True, capture_output=True
@@ -542,11 +542,15 @@ def old_engine(args) -> tuple[str, str]:
 
 
 def tree_hash(folder: str) -> str:
+    """A hash of every .py file under ``folder`` (the package's subpackages included)."""
     h = hashlib.sha256()
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".py"):
-            with open(os.path.join(folder, name), "rb") as f:
-                h.update(name.encode() + b"\0" + f.read() + b"\0")
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path, "rb") as f:
+                    h.update(os.path.relpath(path, folder).encode() + b"\0" + f.read() + b"\0")
     return h.hexdigest()[:12]
 
 
@@ -595,7 +599,7 @@ def run(args) -> int:
 
     paths = {engine: package_dir(engine, src) for engine, (src, _) in engines.items()}
     # The stall runs in worker processes of its own: a walk of a 470k-node graph leaves the process
-    # changed (seen: the old engine's next small walk once took ~9 ms instead of 0.2-0.4 ms).
+    # slower at its next small walks.
     group_of = {w: ("stall" if w == "stall" else "decode") for w in args.workloads}
     workers: dict[tuple[str, str], Worker] = {}
     errors: list[str] = []
@@ -786,7 +790,7 @@ def report(
         extra = ""
         if engine == "new":
             extra = (
-                f" (HEAD {head}; watchdog/*.py hash {new_hash}; vs {args.old_rev}: {new_diff or 'no change'}"
+                f" (HEAD {head}; watchdog/ hash {new_hash}; vs {args.old_rev}: {new_diff or 'no change'}"
                 + (f"; untracked {', '.join(new_untracked)}" if new_untracked else "")
                 + ")"
             )
@@ -879,7 +883,7 @@ def report(
                 "tokens/s: timed steps after the first token. `at call #`: which observe() call was the "
                 "worst (1 = the first, prefill calls included). `buffers/step read`: the forecast's "
                 "buffers_per_step at the end; `rate measured`: runs whose forecast says rate_known "
-                "(the old Forecast has no such field). p99 by nearest rank."
+                "(n/a: a Forecast without that field). p99 by nearest rank."
             )
             lines.append("")
             lines.append(

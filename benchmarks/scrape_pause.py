@@ -1,4 +1,4 @@
-"""Scrape cost: does a Prometheus scrape pause the decode thread? (issue 5; target: < 1 ms.)
+"""Scrape cost: does a Prometheus scrape pause the decode thread, and for how long (the aim: under 1 ms)?
 
 A tiny hybrid qwen3_next decodes through mlx-lm's BatchGenerator (the leaking path, so the
 exposition carries leak series) on the main thread, watched by a Watchdog. The metrics server

@@ -1,8 +1,8 @@
 """A small HTTP/1.1 server for the metrics endpoint that an abusive client cannot exhaust.
 
 prometheus_client's ``start_http_server`` runs one thread per connection and reads headers
-without a bound: 1,500 idle connections put 1,511 threads into the watched process, 60 connections
-with huge headers added 342 MB. This server keeps the watched process safe:
+without a bound: idle clients put a thread each, and huge headers their size, into the watched
+process. This server keeps the watched process safe:
 
 - one event-loop thread does all socket work (plain or TLS: asyncio runs TLS handshakes without
   a thread each, with a timeout, on a connection already counted below), and one worker thread
@@ -28,6 +28,7 @@ import io
 import logging
 import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -160,6 +161,8 @@ class BoundedHTTPServer:
         http = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_header_bytes)
         try:
             if self.ssl_context is not None:
+                if sys.version_info < (3, 11):  # StreamWriter.start_tls (the package needs 3.11)
+                    raise RuntimeError("TLS needs Python 3.11 or later")
                 raw = writer.transport
                 try:
                     await writer.start_tls(self.ssl_context, ssl_handshake_timeout=self.idle_timeout)

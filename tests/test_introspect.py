@@ -219,8 +219,8 @@ def _dict_made(obj) -> bool:
 def test_walked_caches_keep_their_inline_attributes(inline, monkeypatch):
     """A decode's caches after the watchdog walked them and followed their paths: read through
     ``__dict__``, each would carry a dict for good and every attribute access of the forward
-    would be slower (measured 4.5-5.5x). The old read (``inline=False``) shows that this test
-    sees it. (mlx-lm's BatchGenerator gives its merged caches a dict itself.)"""
+    would be slower (docs/internals.md, the walk). Reading ``__dict__`` (``inline=False``) shows
+    that this test sees it. (mlx-lm's BatchGenerator gives its merged caches a dict itself.)"""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 

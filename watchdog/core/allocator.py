@@ -1,12 +1,9 @@
 """The C allocator's deferred work: paid before a walk, and not counted as the walk's.
 
-glibc's ``malloc`` keeps freed small blocks in per-size lists ("fastbins") and merges them only
-when a block of 1 KB or more is next asked for. Scheduling a decode step's graph frees its nodes:
-on a 48-layer tiny llama on the CPU backend, ~13,000 small blocks (780 KB) a step, and the
-program's next forward merges them itself (``mallinfo2``: fastbins back to ~300 blocks after
-it). A walk that runs first pays that merge instead: 1-1.5 ms of a 2.8 ms walk there. Charged to
-the walk, it spaced walks out as if they cost twice their work and counted the program's own
-work as the watchdog's. Other allocators (macOS's) defer nothing here: the call costs ~0.2 us.
+glibc's ``malloc`` keeps the small blocks a decode step frees aside and merges them at the next
+allocation of 1 KB or more, which a walk at the start of a step would make. ``settle()`` makes it
+before the walk's clock starts: the merge is the program's work, and charged to the walk it would
+space walks out as if they cost more. Allocators that defer nothing make it a no-op.
 """
 
 from __future__ import annotations

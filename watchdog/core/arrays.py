@@ -105,7 +105,7 @@ class _Walk:
         found, seen, max_depth = self.found, set(), self.max_depth
         # Stack entries: (object, its type's info, path, site, steps, depth, root). Reversed
         # pushes keep natural order.
-        stack = [
+        stack: list[tuple[Any, objects.TypeInfo, str, str, tuple, int, int]] = [
             (obj, info(type(obj)), prefix, "root", (), 0, i)
             for i, (obj, prefix) in reversed(list(enumerate(roots)))
         ]
@@ -142,13 +142,16 @@ class _Walk:
         """(child, its type info, path, site, step) for each child that may hold arrays."""
         if t.kind == OBJECT:
             return self.members(value, t, path, site)
-        size = t.length(value)
+        length, snapshot = t.length, t.snapshot
+        if length is None or snapshot is None:  # a root that is no container
+            raise TypeError(f"{t.name} holds no items")
+        size = length(value)
         if size > MAX_ITEMS or self.items + size > MAX_WALK_ITEMS:
             self.skip("huge" if size > MAX_ITEMS else "items", path, t.name, f"{size:,} items")
             return []
         self.items += size
-        out = []
-        contents = t.snapshot(value)  # a copy made in C: another thread cannot change it under us
+        out: list[tuple] = []
+        contents = snapshot(value)  # a copy made in C: another thread cannot change it under us
         if t.kind == SEQUENCE:
             for i, child in enumerate(contents):
                 ct = info(type(child))
@@ -180,7 +183,7 @@ class _Walk:
 
     def members(self, value: Any, t: objects.TypeInfo, path: str, site: str) -> list[tuple]:
         """The instance dict and slots of an object, and what a hidden __dict__ holds."""
-        out = []
+        out: list[tuple] = []
         attrs = objects.attributes(value, t, MAX_ITEMS)
         if attrs is None:
             self.skip("huge", path, t.name, f"more than {MAX_ITEMS:,} attributes")

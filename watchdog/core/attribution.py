@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -73,7 +73,7 @@ class SetattrProbe:
         self.order: list[str] = []  # first seen first: breaks ties
         self._seen: set[int] = set()
         self._lock = threading.Lock()
-        self._hook = None
+        self._hook: Callable[..., None] | None = None
         self._saved: Any = _MISSING
         self.error: str | None = None
         self.busy = False  # not attached: another probe was on the class
@@ -85,7 +85,7 @@ class SetattrProbe:
     def attach(self) -> bool:
         cls, attr = self.cls, self.attr
         saved = cls.__dict__.get("__setattr__", _MISSING)
-        original = cls.__setattr__  # what an assignment runs now: the class's own or inherited one
+        original: Callable[..., None] = cls.__setattr__  # what an assignment runs now: its own or inherited
         probe = self
 
         def __setattr__(obj, name, value):

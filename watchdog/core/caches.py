@@ -117,9 +117,10 @@ def _items(value: Any) -> list | None:
     """The items of a list, tuple or plain dict, read without their code (``objects.py``); None
     for anything else."""
     t = info(type(value))
-    if not _container(t):
+    snapshot = t.snapshot
+    if not _container(t) or snapshot is None:  # a container always has a snapshot
         return None
-    return [v for _, v in t.snapshot(value)] if t.cls is dict else t.snapshot(value)
+    return [v for _, v in snapshot(value)] if t.cls is dict else snapshot(value)
 
 
 def _members(roots: Any, depth: int = 0) -> Iterator[Any]:

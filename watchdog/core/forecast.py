@@ -130,8 +130,8 @@ def epoch_slope(points: Sequence[tuple[float, float, int]]) -> float | None:
     first = points[0][1]
     if all(p[1] == first for p in points):  # flat (most sites, most readings): no pairs needed
         seen: dict = {}
-        for x, _, epoch in points:
-            if seen.setdefault(epoch, x) != x:
+        for at, _, label in points:
+            if seen.setdefault(label, at) != at:
                 return 0.0
         return None
     latest = points[-1][2]
@@ -154,11 +154,10 @@ def epoch_slope(points: Sequence[tuple[float, float, int]]) -> float | None:
 def _split_level_shifts(y: np.ndarray, epoch: np.ndarray) -> np.ndarray:
     """Epoch labels with each epoch cut at a level shift: one rise between two readings whose
     excess over the typical rise is at least half of all the excess, with two readings or more on
-    each side. A batch that
-    shrinks in place (``BatchGenerator`` filters the same caches when requests finish) moves the
-    level once; in a window where half the pairs straddle that step, Theil-Sen reads it as
-    growth (seen: +1.08/step, flat in truth). A steady leak read at any spacing has the same slope
-    on both sides of a cut, so cutting it changes nothing."""
+    each side. A batch that shrinks in place (``BatchGenerator`` filters the same caches when
+    requests finish) moves the level once; in a window where half the pairs straddle that step,
+    Theil-Sen reads it as growth. A steady leak read at any spacing has the same slope on both
+    sides of a cut, so cutting it changes nothing."""
     labels = epoch.copy()
     for e in np.unique(epoch):
         members = np.flatnonzero(epoch == e)

@@ -13,8 +13,8 @@ Our arrays are passed by keyword (``n0``, ``n1``, ...) so they keep those names 
 MLX names the others with capital letters, so the two cannot collide. One call for all arrays
 means a buffer shared by two pending chains is counted once.
 
-``export_to_dot`` recurses once per node: a chain ~66k nodes deep overflows the 8 MB stack of
-a main thread and kills the process. Big walks therefore run on one worker thread of ours with
+``export_to_dot`` recurses once per node: a deep enough chain overflows the 8 MB stack of a main
+thread and kills the process. Big walks therefore run on one worker thread of ours with
 a large stack, while the calling thread waits (MLX's graph is not safe to read while the
 program changes it, so the walk never runs beside the program).
 """
@@ -36,11 +36,10 @@ _SOURCE = '{ rank=source; "'
 _PRIMITIVE = "shape=rectangle]; }"
 
 MAX_KEYWORDS = 1000  # nanobind passes at most 1,024 keyword arguments to export_to_dot
-# Without the big-stack worker, only walks this small run on the calling thread (the main
-# thread's 8 MB held ~66k nodes of recursion when measured).
+# Without the big-stack worker, only walks this small run on the calling thread: well within 8 MB.
 INLINE_NODES = 20_000
 WORKER_STACK_BYTES = 1 << 30  # virtual: only the pages a deep walk touches are ever used
-BYTES_PER_LEVEL = 256  # measured ~125 B of stack per node of recursion; twice that, to be safe
+BYTES_PER_LEVEL = 256  # twice the stack one node of recursion takes, to be safe
 
 
 @dataclasses.dataclass
@@ -103,8 +102,7 @@ class _DeepWalker:
                 self.cpu_seconds += time.thread_time() - started  # before the caller wakes
                 box[0].set()
                 # The job holds the arrays it walked: kept in this frame until the next walk, they
-                # would keep their buffers alive (measured: 675 live buffers after a batch ended, 143
-                # without the watchdog).
+                # would keep their buffers alive after the program dropped them.
                 del job, box
 
     def run(self, job: Callable[[], str]) -> str:
@@ -125,10 +123,9 @@ _walker_lock = threading.Lock()
 def cpu_clock() -> float:
     """CPU seconds spent by the calling thread and by the walker thread: the walks' own work.
 
-    A walk's wall time on a loaded machine includes the time it waited for a core (measured on
-    2 cores beside two busy processes: 1.8x its CPU time at the median, 2.3x at p90, up to 3.9x;
-    1.01x unloaded). Sized by wall time, walks fell back to samples that misread a batch that
-    had just changed. CPU time is what the graph costs to walk."""
+    A walk's wall time on a loaded machine includes the time it waited for a core; sized by it,
+    walks would shrink to samples that misread a batch that just changed. CPU time is what the
+    graph costs to walk."""
     walker = _walker
     return time.thread_time() + (walker.cpu_seconds if walker is not None else 0.0)
 
@@ -149,8 +146,8 @@ def export_dot(arrays: Sequence[mx.array], *, nodes_hint: int | None = None) -> 
     """The DOT text of the graphs behind ``arrays`` (at most ``MAX_KEYWORDS`` of them).
 
     ``nodes_hint``: how many nodes the caller expects (None: unknown). Every walk runs on the
-    big-stack worker (the hand-off costs ~20 us; a walk of a 48-layer cache ~300 us), so a
-    chain deeper than predicted cannot overflow the caller's stack."""
+    big-stack worker (its hand-off is small beside a walk), so a chain deeper than predicted
+    cannot overflow the caller's stack."""
 
     def job() -> str:
         capture = _Capture()

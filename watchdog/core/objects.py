@@ -15,15 +15,13 @@ raise, block, allocate or have side effects. So the walk reads only at the level
   ``dict.copy`` nor ``dict.__getitem__``: on a subclass they call its ``keys`` / ``__missing__``.
 
 Reading must not change the program's speed either. From CPython 3.11 an instance keeps its
-attributes inline, with no dict object, until something asks for its ``__dict__``; from then on
-it carries a real dict, and every attribute access the program makes on it is slower for good
-(measured: 3-5.5x on 3.11 and 3.12, 1.7-2x on 3.13; +27-39 us on each forward of a 48-layer
-llama whose 48 caches had been walked once; ~0.8% of an H200 decode step). So instance attributes are
-read by name, with ``object.__getattribute__`` (it reads inline values as they are), the names
-being those the class's own code assigns. The garbage collector's view of the object
-(``gc.get_referents``: its values, nameless, read in C) tells whether those names read all it
-holds; only an object holding something they miss has its ``__dict__`` read, and its names are
-learnt for the other instances of its class.
+attributes inline, with no dict object, until something asks for its ``__dict__``; from then on it
+carries a real dict, and every attribute access the program makes on it is slower for good
+(docs/internals.md has the cost). So instance attributes are read by name, with
+``object.__getattribute__`` (it reads inline values as they are), the names being those the class's
+own code assigns. The garbage collector's view of the object (``gc.get_referents``: its values,
+nameless, read in C) tells whether those names read all it holds; only an object holding something
+they miss has its ``__dict__`` read, and its names are learnt for the other instances of its class.
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ _CONTAINERS = (
     (set, SET, lambda s: list(set.__iter__(s)), set.__len__),
     (frozenset, SET, lambda s: list(frozenset.__iter__(s)), frozenset.__len__),
 )
-_GETITEM = {
+_GETITEM: dict[type | None, Callable[[Any, int], Any]] = {
     list: list.__getitem__,
     tuple: tuple.__getitem__,
     collections.deque: collections.deque.__getitem__,
@@ -146,7 +144,7 @@ class TypeInfo:
         return OBJECT
 
     def _find_members(self, cls: type) -> None:
-        slots = []
+        slots: list[tuple[str, Any]] = []
         for klass in _mro(cls):
             for name, value in list(types.MappingProxyType.items(_type_dict(klass))):
                 kind = type(value)
@@ -237,7 +235,7 @@ def _assigned_names(cls: type) -> list[str]:
 
 
 def _stored_names(cls: type) -> list[str]:
-    codes = []
+    codes: list[types.CodeType] = []
     for klass in _mro(cls):
         for value in list(types.MappingProxyType.values(_type_dict(klass))):
             kind = type(value)
@@ -314,7 +312,8 @@ def _named_attributes(value: Any, t: TypeInfo, covered: list, limit: int) -> lis
     """The instance attributes read by name, or None when the object holds something else that
     may hold arrays (set by code outside its class, under a name not seen yet). ``covered``:
     what the caller reads otherwise (slots)."""
-    if t.snapshot is not None and t.length(value) > limit:
+    length = t.length  # set with snapshot, for containers
+    if t.snapshot is not None and length is not None and length(value) > limit:
         return None  # a huge container subclass: not copied twice
     entries, read = [], {id(child) for child in covered}
     for name, default in t.names:

@@ -2,8 +2,8 @@
 
 Two kinds of check use them: ``Watchdog``'s (and ``serve``'s, for a Namespace built without the
 parser), on Python values, whose errors name the parameter or serve's flag; and the command
-line's argparse types, on text. Before they shared this, the two had drifted apart (a NaN
-threshold, which never fires, passed one and not the other).
+line's argparse types, on text. Written once, the two cannot drift apart (a NaN threshold,
+which never fires, must fail both).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """How much of the graph one reading walks: all of it when that is quick, a sample when not.
 
-A walk costs ~3 us of CPU per pending node on these CPUs (measured: 47 chains of 10,000 nodes
-took 3.1 s in one export) and cannot be cut short once started. So before a reading the size of
-each site's pending graphs is predicted from the last readings. When the prediction fits in
-``STALL_SECONDS``, one export of every array reads them exactly. When it does not, the reading
-exports every evaluated array and, of each site's pending arrays, only as many as fit, in turn
-from one reading to the next, so none goes unread for long.
+A walk's CPU time grows with the pending nodes it passes, and a walk cannot be cut short once
+started. So before a reading the size of each site's pending graphs is predicted from the last
+readings. When the prediction fits in ``STALL_SECONDS``, one export of every array reads them
+exactly. When it does not, the reading exports every evaluated array and, of each site's pending
+arrays, only as many as fit, in turn from one reading to the next, so none goes unread for long.
 
 Each array not walked is read as its own last walk plus what its site gained since
 (``_SiteClock``). The arrays of a site are one attribute of layers built by the same code, so
@@ -35,7 +34,7 @@ from .arrays import Found
 from .graph import TooDeep, account, deep_walker, is_evaluated
 
 STALL_SECONDS = 0.04  # CPU time one reading may block the decode for, when it can be kept to it
-INITIAL_SECONDS_PER_NODE = 4e-6  # until measured on this machine
+INITIAL_SECONDS_PER_NODE = 4e-6  # until learnt on this machine
 STILL_SHARE = 0.25  # an array that gained less than this share of its site's gain is still...
 STILL_TELL_STEPS = 16  # ...over at least these steps between two of its walks
 MIN_SITE_GAIN = 2.0  # ...and at least this gain of its site
@@ -192,8 +191,8 @@ class Sampler:
             probe = self._probe(found, step)
             predicted = self.predicted_nodes(step) if probe is not None else None
         if predicted is None:
-            # The probe found nothing pending: no graph holds a buffer, so an export (4x the cost of
-            # telling each array, measured on 96) adds nothing. Evaluated or scheduled, as samples tell them.
+            # The probe found nothing pending: no graph holds a buffer, so an export (dearer than
+            # telling each array) adds nothing. Evaluated or scheduled, as samples tell them.
             n = len(found)
             reading = Reading(list(found), [True] * n, [0.0] * n, [0.0] * n, 0, 0.0)
         elif predicted <= limit:
@@ -368,16 +367,20 @@ class Sampler:
     ) -> tuple[float, float]:
         """Move the site's clock to ``step`` by what its reference gained since its last walk;
         returns the mark. (Gains of arrays walked at other readings would carry the errors of
-        those readings' marks along: measured, two arrays walked in turn kept their marks 3 apart
-        for good.)"""
+        those readings' marks along, for good.)"""
         clock = self._clocks.setdefault(site, _SiteClock())
-        if clock.gained(step) is not None:
-            return clock.gained(step)
+        marked = clock.gained(step)
+        if marked is not None:
+            return marked
         mark = None
-        last = None if reference is None else self._history(found[reference])
-        if last is not None and last.step < step:
-            then = clock.gained(last.step)
-            mark = (then[0] + retained[reference] - last.retained, then[1] + nodes[reference] - last.nodes)
+        if reference is not None:
+            last = self._history(found[reference])
+            then = None if last is None else clock.gained(last.step)  # marked: _history checks it
+            if last is not None and then is not None and last.step < step:
+                mark = (
+                    then[0] + retained[reference] - last.retained,
+                    then[1] + nodes[reference] - last.nodes,
+                )
         return clock.advance(step, mark)
 
     def _learn(self, reading: Reading, step: int) -> None:
@@ -434,7 +437,7 @@ _warm = False
 
 def warm_up() -> None:
     """Pay the one-off costs of a first reading now, once per process: the walker thread, MLX's
-    first export, and numpy's first median (it imports numpy.ma: 11-38 ms measured)."""
+    first export, and numpy's first median (it imports numpy.ma)."""
     global _warm
     if _warm:
         return
