@@ -17,7 +17,6 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import ArraysCache
-from support import exact_counter
 
 from mlx_watchdog import Watchdog
 from mlx_watchdog.attach.model import unwatch_model, watch_model
@@ -47,11 +46,6 @@ def _batched(model, watchdog, steps, on_step=None):
     finally:
         generator.close()
         unwatch_model(model)
-
-
-@pytest.fixture(scope="module")
-def counter():
-    return exact_counter()
 
 
 @pytest.fixture(autouse=True)

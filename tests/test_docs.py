@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from support import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -132,12 +132,6 @@ def test_readme_picture_is_a_small_png():
 # --------------------------------------------------------------------------- README's shell commands
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _expected_status(line: str) -> int:
     match = re.search(r"#\s*exit status (\d+)", line)
     return int(match.group(1)) if match else 0
@@ -211,7 +205,7 @@ def test_readme_shell_commands_run_after_make_demo_in_a_fresh_clone(tmp_path):
         if entry.name != ".installed":
             (venv / entry.name).symlink_to(entry)
     (venv / ".installed").touch()
-    api_port, metrics_port = _free_port(), _free_port()
+    api_port, metrics_port = free_port(), free_port()
     script = readme_script((REPO / "README.md").read_text(), api_port, metrics_port)
     assert "make demo" in script and ". .venv/bin/activate" in script and "mlx-watchdog serve" in script
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}

@@ -17,16 +17,6 @@ import pytest
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
-@pytest.fixture(scope="module")
-def counter():
-    try:
-        return exact_buffers.install()
-    except RuntimeError as e:
-        if IN_CI:
-            raise
-        pytest.skip(f"exact buffer counter unavailable: {e}")
-
-
 @pytest.fixture
 def no_cache():
     old = mx.set_cache_limit(0)

@@ -14,11 +14,9 @@ import subprocess
 import sys
 import textwrap
 
-import exact_buffers
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
-from support import missing
 
 from mlx_watchdog import Watchdog, watch
 from mlx_watchdog.attach.model import unwatch_model, watch_model
@@ -27,19 +25,6 @@ from mlx_watchdog.exporters.prometheus import WatchdogCollector
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
 LEAK = 8  # 12 layers, full attention every 4th: 9 linear-attention layers leak 8 buffers a step
-
-
-@pytest.fixture(scope="module")
-def counter():
-    try:
-        return exact_buffers.install()
-    except RuntimeError as exc:
-        missing(f"the exact live-buffer counter cannot be installed: {exc}")
-
-
-@pytest.fixture(scope="module")
-def hybrid(counter):
-    return build_model("qwen3_next", layers=12, full_attention_interval=4)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support import free_port
 
 from mlx_watchdog import tiny
 from mlx_watchdog.attach import server as server_hooks
@@ -31,7 +32,6 @@ from mlx_watchdog.commands import serve
 from mlx_watchdog.core.forecast import Forecast
 from mlx_watchdog.core.watchdog import ResourceLimitForecast, live_watchdogs
 
-LAYERS = 8
 NO_EOS = {str(tiny.EOS_ID): -100}  # a random model may say EOS anywhere: keep completions long
 # The watchdog times itself in wall time: on a busy 2-core machine (other tests, the HTTP threads)
 # that inflates and its walks thin out. A larger budget keeps the measurement dense here; the
@@ -41,12 +41,6 @@ STARTUP_SECONDS = 120
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _linear_layers(model_dir: Path) -> int:
@@ -95,7 +89,7 @@ class Served:
     """A running ``python -m mlx_watchdog.commands.serve`` subprocess on free loopback ports."""
 
     def __init__(self, model_dir: Path, workdir: Path, watchdog_args: list[str], cli: bool = False):
-        self.port, self.metrics_port = _free_port(), _free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         self.log = workdir / f"serve-{self.port}.log"
         # cli: the user's command, `mlx-watchdog serve` (its module, so no console script is needed)
         entry = ["mlx_watchdog", "serve"] if cli else ["mlx_watchdog.commands.serve"]
@@ -170,25 +164,7 @@ class Served:
         return self.log.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return tiny.save_model_dir(
-        tmp_path_factory.mktemp("model") / "tiny-qwen3-next", "qwen3_next", layers=LAYERS
-    )
-
-
-@pytest.fixture
-def start_server(model_dir, tmp_path):
-    started: list[Served] = []
-
-    def start(*watchdog_args: str, cli: bool = False) -> Served:
-        served = Served(model_dir, tmp_path, list(watchdog_args), cli=cli)
-        started.append(served)
-        return served
-
-    yield start
-    for served in started:
-        served.stop()
+SERVER = Served  # what the start_server fixture (tests/conftest.py) starts
 
 
 # --------------------------------------------------------------------------- end to end
@@ -467,7 +443,7 @@ def test_run_in_process_watches_and_restores(model_dir, tmp_path):
     run() returns 0 and mlx_lm.server's functions, sys.argv and the signal handler are back."""
     before = _hooked()
     argv, handler = list(sys.argv), signal.getsignal(signal.SIGTERM)
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     seen: dict = {}
 
     def client():

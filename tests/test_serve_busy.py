@@ -26,10 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import openai
 import pytest
-from support import missing
-from test_serve import LAYERS, STARTUP_SECONDS, Served, _free_port, _linear_layers, metric
+from support import free_port, missing
+from test_serve import STARTUP_SECONDS, Served, _linear_layers, metric
 
-from mlx_watchdog import tiny
 from mlx_watchdog.attach import server as server_hooks
 
 LAUNCHER = Path(__file__).with_name("serve_with_oracle.py")
@@ -60,7 +59,7 @@ class OracleServed(Served):
         watchdog_args: list[str],
         server_args: tuple = ("--prompt-cache-size", "2"),
     ):
-        self.port, self.metrics_port, self.oracle_port = _free_port(), _free_port(), _free_port()
+        self.port, self.metrics_port, self.oracle_port = free_port(), free_port(), free_port()
         self.log = workdir / f"serve-{self.port}.log"
         self.oracle_log = workdir / f"oracle-{self.port}.jsonl"
         command = [
@@ -138,6 +137,9 @@ class OracleServed(Served):
         }
 
 
+SERVER = OracleServed  # what the start_server fixture (tests/conftest.py) starts
+
+
 def _where(reading: dict) -> str:
     """Where a reading was taken: "idle", or the forward and its batch size, e.g. "decode3"."""
     if reading["where"] != "step":
@@ -166,25 +168,6 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
     return "\n".join(lines)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return tiny.save_model_dir(tmp_path_factory.mktemp("model") / WATCHDOG, "qwen3_next", layers=LAYERS)
-
-
-@pytest.fixture
-def start_server(model_dir, tmp_path):
-    started: list[OracleServed] = []
-
-    def start(*watchdog_args: str) -> OracleServed:
-        served = OracleServed(model_dir, tmp_path, list(watchdog_args))
-        started.append(served)
-        return served
-
-    yield start
-    for served in started:
-        served.stop()
 
 
 # --------------------------------------------------------------------------- a. busy batch readings
