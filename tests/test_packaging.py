@@ -1,6 +1,12 @@
-"""The distribution: the folders map onto `mlx_watchdog`, never onto the name `watchdog`."""
+"""The distribution: the folders map onto `mlx_watchdog`, never onto the name `watchdog`.
 
+watchdog/ is installed as ``mlx_watchdog`` and exporters/ as ``mlx_watchdog.exporters``, with
+every subpackage (core, attach, commands, tiny) and the py.typed marker; the command is
+``mlx_watchdog.commands.main:main``."""
+
+import configparser
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -9,34 +15,71 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ("core", "attach", "commands", "tiny", "exporters")
+ENTRY_POINT = "mlx_watchdog.commands.main:main"
+# What a checkout may hold besides its files: a wheel built from a copy without them is the
+# wheel of a fresh clone (a stale build/lib would add the modules of an older layout).
+NOT_SOURCE = shutil.ignore_patterns(
+    ".git", ".venv", ".cache", "build", "dist", "site", "*.egg-info", "__pycache__"
+)
 
 
-def test_editable_install_imports_mlx_watchdog_from_this_tree():
+def _installed_names() -> set[str]:
+    """The files the wheel must hold, named as installed: watchdog/X -> mlx_watchdog/X,
+    exporters/X -> mlx_watchdog/exporters/X."""
+    names = {"mlx_watchdog/py.typed"}
+    for folder, package in (("watchdog", "mlx_watchdog"), ("exporters", "mlx_watchdog/exporters")):
+        for path in (ROOT / folder).rglob("*.py"):
+            names.add(f"{package}/{path.relative_to(ROOT / folder).as_posix()}")
+    return names
+
+
+def test_the_tree_has_every_subpackage_and_the_typed_marker():
+    names = _installed_names()
+    for sub in SUBPACKAGES:
+        assert f"mlx_watchdog/{sub}/__init__.py" in names
+    assert (ROOT / "watchdog" / "py.typed").is_file()
+
+
+def test_editable_install_maps_the_package_onto_this_tree():
+    import importlib
+
     import mlx_watchdog
     import mlx_watchdog.exporters.prometheus as prom
 
     assert Path(mlx_watchdog.__file__).resolve().parent == ROOT / "watchdog"
     assert Path(prom.__file__).resolve().parent == ROOT / "exporters"
+    for sub in SUBPACKAGES:
+        module = importlib.import_module(f"mlx_watchdog.{sub}")
+        folder = ROOT / "exporters" if sub == "exporters" else ROOT / "watchdog" / sub
+        assert Path(module.__file__).resolve() == folder / "__init__.py", sub
 
 
 @pytest.mark.slow
 def test_wheel_holds_mlx_watchdog_and_imports(tmp_path):
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=NOT_SOURCE)
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = tmp_path.glob("mlx_watchdog-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "mlx_watchdog/__init__.py" in names
-    assert "mlx_watchdog/exporters/prometheus.py" in names
-    assert not any(n.startswith("watchdog/") or n.startswith("exporters/") for n in names)
-    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert (
-        "mlx-watchdog = mlx_watchdog.commands.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        entry_points = configparser.ConfigParser()
+        entry_points.read_string(
+            archive.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+        )
+    package_files = {n for n in names if n.startswith("mlx_watchdog/")}
+    assert package_files == _installed_names(), (
+        f"missing: {sorted(_installed_names() - package_files)}; "
+        f"extra: {sorted(package_files - _installed_names())}"
     )
+    assert not any(n.startswith("watchdog/") or n.startswith("exporters/") for n in names)
+    assert dict(entry_points["console_scripts"]) == {"mlx-watchdog": ENTRY_POINT}
 
     target = tmp_path / "site"
     install = subprocess.run(
@@ -47,15 +90,23 @@ def test_wheel_holds_mlx_watchdog_and_imports(tmp_path):
     )
     assert install.returncode == 0, install.stderr[-2000:]
     # Import from the wheel's files only (the tree's editable finder is not on this path).
+    modules = [
+        "mlx_watchdog",
+        *(f"mlx_watchdog.{sub}" for sub in SUBPACKAGES),
+        "mlx_watchdog.exporters.prometheus",
+    ]
+    module_path, function = ENTRY_POINT.split(":")
     probe = subprocess.run(
         [
             sys.executable,
             "-S",
             "-c",
-            "import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import mlx_watchdog, mlx_watchdog.exporters.prometheus;"
-            "print(mlx_watchdog.__file__)",
+            "import importlib, sys; sys.path[:0] = sys.argv[1:3]\n"
+            "for name in sys.argv[3:]: print(importlib.import_module(name).__file__)\n"
+            f"assert callable(importlib.import_module({module_path!r}).{function})",
             str(target),
             _site_packages(),
+            *modules,
         ],
         capture_output=True,
         text=True,
@@ -64,7 +115,8 @@ def test_wheel_holds_mlx_watchdog_and_imports(tmp_path):
         env={**os.environ, "PYTHONPATH": ""},
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
-    assert probe.stdout.strip().startswith(str(target))
+    files = probe.stdout.split()
+    assert len(files) == len(modules) and all(f.startswith(str(target)) for f in files), files
 
 
 def _site_packages() -> str:
