@@ -45,7 +45,8 @@ $(MLX_LM_SDIST)/.done: $(STAMP)
 
 sdist: $(MLX_LM_SDIST)/.done
 
-test: system-deps $(STAMP) sdist
+# lint and typecheck first: CI fails on them before the tests run (and before minutes of tests).
+test: lint typecheck system-deps $(STAMP) sdist
 	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider
 
 # ruff (lint and format) and mypy, as configured in pyproject.toml. mypy reads the package through
