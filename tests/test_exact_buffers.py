@@ -3,7 +3,6 @@ MLX's own active-memory accounting and buffer counts that follow from MLX's sema
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,8 +12,7 @@ from pathlib import Path
 import exact_buffers
 import mlx.core as mx
 import pytest
-
-IN_CI = os.environ.get("CI", "").lower() == "true"
+from support import IN_CI
 
 
 @pytest.fixture
