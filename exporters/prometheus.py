@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
 from .. import __version__
+from ..core.coordination import launch_rank
 from ..core.limits import device_name
 from ..core.watchdog import Watchdog, live_watchdogs
 from .http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, BoundedHTTPServer
@@ -829,10 +830,6 @@ def _bind_hint(exc: OSError, port: int) -> str:
 
 # --------------------------------------------------------------------------- distributed
 
-# Launchers set the rank in the environment: mlx.launch (ring, nccl, jaccl) MLX_RANK, JACCL
-# JACCL_RANK, Open MPI OMPI_COMM_WORLD_RANK, MPICH/PMIx PMI_RANK/PMIX_RANK.
-_RANK_VARIABLES = ("MLX_RANK", "JACCL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-
 
 def default_metrics_port(base: int = DEFAULT_PORT) -> int:
     """``base + rank`` in a distributed MLX job (so ranks on one host do not clash), else ``base``.
@@ -859,11 +856,7 @@ def _distributed_rank() -> int:
     for wd in _safe_live():
         if _world_size(wd) > 1:
             return int(wd.rank)
-    for variable in _RANK_VARIABLES:
-        value = os.environ.get(variable, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 0
+    return launch_rank() or 0
 
 
 def _safe_live() -> Iterable[Watchdog]:

@@ -40,6 +40,7 @@ import mlx.core as mx
 
 from ..core.actions import ResourceLimitForecast
 from ..core.watchdog import Watchdog
+from . import distributed
 from .model import unwatch_model, watch_model, watched_state
 
 logger = logging.getLogger("mlx_watchdog")
@@ -122,8 +123,10 @@ class ServerHooks:
     """Attach the watchdog to ``mlx_lm.server`` (see the module docstring) and detach it again.
 
     ``options`` are the ``Watchdog`` keyword options every loaded model's watchdog gets. Use as a
-    context manager, or ``attach()`` / ``detach()``; detaching restores the exact original
-    functions, unwatches the models still alive and stops exporting their watchdogs."""
+    context manager, or ``attach()`` / ``detach()``. Attaching also instruments
+    ``mx.distributed`` (``distributed.instrument()``: a server launched on several ranks stops
+    them together); detaching restores the exact original functions, unwatches the models still
+    alive and stops exporting their watchdogs."""
 
     def __init__(
         self, options: dict | None = None, *, adapt_prefill: bool = False, server_module: Any = None
@@ -151,6 +154,7 @@ class ServerHooks:
         self._channels: dict[int, list[_Channel]] = {}  # id(ResponseGenerator) -> its requests
         self._prefill_unavailable_logged = False
         self._user_prefill_step: dict[int, int] = {}
+        self._instrumented = False  # this attach instrumented mx.distributed (detach undoes it)
 
     # ------------------------------------------------------------------ attach / detach
 
@@ -172,6 +176,8 @@ class ServerHooks:
                 original = cls.__dict__[method]
                 self._originals[(cls_name, method)] = original
                 setattr(cls, method, wrap(original))
+            # A server launched on several ranks (mlx.launch): their watchdogs stop together.
+            self._instrumented = distributed.instrument()
         return self
 
     def detach(self) -> None:
@@ -179,6 +185,9 @@ class ServerHooks:
             originals, self._originals = self._originals, {}
             for (cls_name, method), original in originals.items():
                 setattr(getattr(self.server, cls_name), method, original)
+            if self._instrumented:
+                self._instrumented = False
+                distributed.uninstrument()
             watched, self._watched = self._watched, []
             self._channels.clear()
         for ref, watchdog in watched:

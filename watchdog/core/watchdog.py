@@ -33,6 +33,7 @@ from .actions import ResourceLimitForecast, Warnings, remedy
 from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .attribution import Attribution
 from .caches import Scope, member_of
+from .coordination import Coordinator, launched, new_coordinator
 from .fix import Fixer, evaluated_output, resolvable, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
@@ -48,11 +49,6 @@ from .options import (
 from .sampling import Sampler, warm_up
 from .schedule import Schedule
 
-try:  # records mx.distributed.init() from here on, so watchdogs learn their rank (distributed.py)
-    from ..attach import distributed as _distributed
-except Exception:  # an MLX without mx.distributed: watchdogs stay single-process
-    _distributed = None
-
 logger = logging.getLogger("mlx_watchdog")
 
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
@@ -63,10 +59,11 @@ _live: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
-def live_watchdogs() -> list[Watchdog]:
-    """Every live watchdog created with ``export=True`` (what exporters publish by default)."""
+def live_watchdogs(*, unexported: bool = False) -> list[Watchdog]:
+    """Every live watchdog created with ``export=True`` (what exporters publish by default);
+    ``unexported=True``: every live watchdog."""
     with _live_lock:
-        return [wd for wd in list(_live) if wd.export]
+        return [wd for wd in list(_live) if unexported or wd.export]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,10 +156,9 @@ class Watchdog:
         self.walks = 0
         self.stops: collections.Counter[str] = collections.Counter()
 
-        # Distributed and prefill readings are filled in by their own modules.
-        self.rank = 0
-        self.world_size = 1
-        self.coordinator = None  # object with .worst(step, steps_to_limit) -> steps_to_limit
+        # The ranks of a distributed job (coordination.py): forecast() asks it for rank and size.
+        self._coordinator: Coordinator | None = None
+        # Prefill readings are filled in by the prefill guard.
         self.prefill_graph_nodes: int | None = None
         self.max_safe_prefill_tokens: int | None = None
 
@@ -202,8 +198,12 @@ class Watchdog:
             self._internal_error("warm_up", exc)
         with _live_lock:
             _live.add(self)
-        if _distributed is not None:  # never raises; joins only a group the program initialized
-            _distributed.auto_attach(self)
+        try:  # an instrumented distributed job gives it a coordinator (coordination.py)
+            coordinator = new_coordinator(self)
+            if coordinator is not None:
+                self.coordinator = coordinator
+        except Exception as exc:
+            self._internal_error("coordinator", exc)
 
     # ----------------------------------------------------------------- public API
 
@@ -230,6 +230,28 @@ class Watchdog:
     @walk_interval.setter
     def walk_interval(self, value: float | None) -> None:
         self._schedule.walk_interval = checked_walk_interval(value)
+
+    @property
+    def coordinator(self) -> Coordinator | None:
+        """The hook of a distributed job (``coordination.py``): asked at every step for the group's
+        steps to the limit, and by ``forecast()`` for the rank and world size."""
+        return self._coordinator
+
+    @coordinator.setter
+    def coordinator(self, value: Coordinator | None) -> None:
+        if value is not None and not isinstance(value, Coordinator):
+            raise ValueError(f"coordinator must have rank, world_size and worst(), got {value!r}")
+        self._coordinator = value
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: its coordinator's, else the launcher's (0 when not launched)."""
+        return self._ranks()[0]
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: its coordinator's, else the launcher's (1 when not launched)."""
+        return self._ranks()[1]
 
     def count_parameters(self, model: Any) -> int:
         """Count the model's parameter arrays (once) as resident buffers."""
@@ -299,6 +321,7 @@ class Watchdog:
             stl = fc.steps_to_limit(resident, self.limit, rate)
             decoding = self.decoding()
             step_rate = self._step_rate() if decoding else 0.0
+            rank, world_size = self._ranks()
             return fc.Forecast(
                 step=step,
                 resident_buffers=int(round(resident)),
@@ -316,8 +339,8 @@ class Watchdog:
                 measured_step=last.step,
                 prefill_graph_nodes=self.prefill_graph_nodes,
                 max_safe_prefill_tokens=self.max_safe_prefill_tokens,
-                rank=self.rank,
-                world_size=self.world_size,
+                rank=rank,
+                world_size=world_size,
                 rate_known=growth.known,
                 decoding=decoding,
                 sampled=last.sampled,
@@ -393,7 +416,7 @@ class Watchdog:
                 fixer.start_probe(step, self._growth.site_buffers())
         if self.fix and fixer.due(step, last_output):
             self._fix(roots, walked_pending, step)
-        if self.stop_within is not None or self.warn_within is not None or self.coordinator is not None:
+        if self.stop_within is not None or self.warn_within is not None or self._coordinator is not None:
             self._act(roots, last_output, step)
 
     def _follow(self, roots: Any, ids: tuple, anchor: Any, prefill: bool) -> bool:
@@ -567,8 +590,9 @@ class Watchdog:
     def _act(self, roots: Any, last_output: Any, step: int) -> None:
         with self._lock:  # cheap arithmetic; the full Forecast only when a threshold is crossed
             stl = fc.steps_to_limit(self._resident_now(step), self.limit, self._growth.rate)
-        if self.coordinator is not None:
-            stl = self.coordinator.worst(step, stl)
+        coordinator = self._coordinator
+        if coordinator is not None:
+            stl = coordinator.worst(step, stl)
         near = (self.stop_within is not None and stl <= self.stop_within) or (
             self.warn_within is not None and stl <= self.warn_within
         )
@@ -583,8 +607,8 @@ class Watchdog:
                 self._walk(roots, step)
                 forecast = self.forecast()
                 stl = forecast.steps_to_limit
-                if self.coordinator is not None:
-                    stl = self.coordinator.worst(step, stl)
+                if coordinator is not None:
+                    stl = coordinator.worst(step, stl)
             if stl <= self.stop_within:
                 self.record_stop("forecast")
                 logger.error("mlx-watchdog: stopping the generation: %s", forecast.describe())
@@ -629,6 +653,12 @@ class Watchdog:
         # The growth since goes on in the caches that live: with a cache gone, so is its share.
         growth = max(0.0, self._growth.rate) * (step - last.step) * gone[3]
         return max(float(self._parameter_buffers), last.resident - gone[2]) + growth
+
+    def _ranks(self) -> tuple[int, int]:
+        coordinator = self._coordinator
+        if coordinator is not None:
+            return coordinator.rank, coordinator.world_size
+        return launched()
 
     def _step_rate(self) -> float:
         if len(self._step_times) < 2:
