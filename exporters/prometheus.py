@@ -483,12 +483,8 @@ def _copy_counter(counter) -> dict:
 
 
 def _count_error(wd: Watchdog, exc: Exception) -> None:
-    counted = getattr(wd, "_internal_error", None)
     try:
-        if callable(counted):
-            counted("prometheus exporter", exc)  # counts under the watchdog's lock and logs
-        else:
-            wd.internal_errors += 1
+        wd.record_internal_error("prometheus exporter", exc)
     except Exception:
         logger.warning("mlx-watchdog exporter: skipped watchdog %r: %r", wd, exc)
 

@@ -467,3 +467,5 @@ def test_the_coordinator_hook_checks_what_it_is_given():
     wd = Watchdog(export=False)
     with pytest.raises(ValueError, match="coordinator"):
         wd.coordinator = object()
+    with pytest.raises(ValueError, match="prefill_guard"):
+        wd.prefill_guard = object()

@@ -40,7 +40,7 @@ import mlx.core as mx
 
 from ..core.actions import ResourceLimitForecast
 from ..core.watchdog import Watchdog
-from . import distributed
+from . import distributed, prefill
 from .model import unwatch_model, watch_model, watched_state
 
 logger = logging.getLogger("mlx_watchdog")
@@ -152,7 +152,6 @@ class ServerHooks:
         self._originals: dict[tuple[str, str], Callable] = {}
         self._watched: list[tuple[weakref.ref, Watchdog]] = []
         self._channels: dict[int, list[_Channel]] = {}  # id(ResponseGenerator) -> its requests
-        self._prefill_unavailable_logged = False
         self._user_prefill_step: dict[int, int] = {}
         self._instrumented = False  # this attach instrumented mx.distributed (detach undoes it)
 
@@ -300,39 +299,12 @@ class ServerHooks:
             unwatch_model(model)
 
     def _install_prefill(self, watchdog: Watchdog, model: Any, provider: Any) -> None:
-        try:
-            prefill = importlib.import_module(f"{__package__}.prefill")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.prefill":
-                raise
-            prefill = None
-        install = getattr(prefill, "install", None)
-        if not callable(install):
-            if not self._prefill_unavailable_logged:
-                self._prefill_unavailable_logged = True
-                logger.warning(
-                    "mlx-watchdog: --adapt-prefill: mlx_watchdog.prefill.install is not "
-                    "available in this version; prefill chunks are not adapted"
-                )
-            return
+        # The guard lowers the provider's cli_args.prefill_step_size, never above what the user
+        # gave for this provider (a model loaded later must not start from a lowered size).
         cli_args = provider.cli_args
         user_step = self._user_prefill_step.setdefault(id(provider), int(cli_args.prefill_step_size))
-
-        def on_safe_size(tokens) -> None:
-            # mlx-lm reads cli_args.prefill_step_size when it makes a batch generator or serves
-            # a request alone: later batches use the new size.
-            size = max(1, min(user_step, int(tokens)))
-            if size != cli_args.prefill_step_size:
-                logger.info(
-                    "mlx-watchdog: prefill step size %d -> %d tokens (safe size %s)",
-                    cli_args.prefill_step_size,
-                    size,
-                    tokens,
-                )
-                cli_args.prefill_step_size = size
-
         try:
-            install(watchdog, model, on_safe_size)
+            prefill.install(watchdog, model, ServerPrefillAdapter(cli_args, user_step))
         except Exception as exc:  # the server runs on without it
             logger.warning("mlx-watchdog: --adapt-prefill could not be installed: %r", exc)
 

@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -64,6 +64,22 @@ def live_watchdogs(*, unexported: bool = False) -> list[Watchdog]:
     ``unexported=True``: every live watchdog."""
     with _live_lock:
         return [wd for wd in list(_live) if unexported or wd.export]
+
+
+@runtime_checkable
+class PrefillReadings(Protocol):
+    """What ``forecast()`` reads from the prefill guard installed on the watchdog
+    (``mlx_watchdog.attach.prefill``); ``None`` until measured."""
+
+    @property
+    def graph_nodes(self) -> int | None:
+        """Pending graph nodes of the last prefill chunk measured."""
+        ...
+
+    @property
+    def safe_tokens(self) -> int | None:
+        """The largest prefill chunk predicted to stay within the limit."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,11 +172,9 @@ class Watchdog:
         self.walks = 0
         self.stops: collections.Counter[str] = collections.Counter()
 
-        # The ranks of a distributed job (coordination.py): forecast() asks it for rank and size.
+        # What is attached to it: forecast() asks them for their readings.
         self._coordinator: Coordinator | None = None
-        # Prefill readings are filled in by the prefill guard.
-        self.prefill_graph_nodes: int | None = None
-        self.max_safe_prefill_tokens: int | None = None
+        self._prefill_guard: PrefillReadings | None = None
 
         self._lock = threading.RLock()
         self._parameter_buffers = 0
@@ -195,7 +209,7 @@ class Watchdog:
         try:  # one-off costs (the walker thread, MLX's first export, numpy's median) are paid now
             warm_up()
         except Exception as exc:
-            self._internal_error("warm_up", exc)
+            self.record_internal_error("warm_up", exc)
         with _live_lock:
             _live.add(self)
         try:  # an instrumented distributed job gives it a coordinator (coordination.py)
@@ -203,7 +217,7 @@ class Watchdog:
             if coordinator is not None:
                 self.coordinator = coordinator
         except Exception as exc:
-            self._internal_error("coordinator", exc)
+            self.record_internal_error("coordinator", exc)
 
     # ----------------------------------------------------------------- public API
 
@@ -244,6 +258,17 @@ class Watchdog:
         self._coordinator = value
 
     @property
+    def prefill_guard(self) -> PrefillReadings | None:
+        """The prefill guard installed on this watchdog: ``forecast()`` reads its measurements."""
+        return self._prefill_guard
+
+    @prefill_guard.setter
+    def prefill_guard(self, value: PrefillReadings | None) -> None:
+        if value is not None and not isinstance(value, PrefillReadings):
+            raise ValueError(f"prefill_guard must have graph_nodes and safe_tokens, got {value!r}")
+        self._prefill_guard = value
+
+    @property
     def rank(self) -> int:
         """This process's rank: its coordinator's, else the launcher's (0 when not launched)."""
         return self._ranks()[0]
@@ -252,6 +277,11 @@ class Watchdog:
     def world_size(self) -> int:
         """The number of ranks: its coordinator's, else the launcher's (1 when not launched)."""
         return self._ranks()[1]
+
+    @property
+    def parameter_buffers(self) -> int:
+        """The model's parameter arrays, counted once (``count_parameters``)."""
+        return self._parameter_buffers
 
     def count_parameters(self, model: Any) -> int:
         """Count the model's parameter arrays (once) as resident buffers."""
@@ -262,7 +292,7 @@ class Watchdog:
             if self.walks == 0:  # nothing read yet: the parameters are what is known to be resident
                 self._last = _LastReading(resident=float(self._parameter_buffers))
         except Exception as exc:
-            self._internal_error("count_parameters", exc)
+            self.record_internal_error("count_parameters", exc)
         return self._parameter_buffers
 
     def observe(self, roots: Any, *, last_output: Any = None, prefill: bool = False) -> None:
@@ -282,7 +312,7 @@ class Watchdog:
         except ResourceLimitForecast:
             raise
         except Exception as exc:
-            self._internal_error("observe", exc)
+            self.record_internal_error("observe", exc)
         finally:  # self._charge(start), inlined: this runs on every step
             spent = time.perf_counter() - start
             self.overhead_seconds += spent
@@ -307,7 +337,7 @@ class Watchdog:
                 self._walk(None, self.steps)  # every live cache
                 self._fixer.paths = self._fixer.pending_paths = None  # they are the roots' paths
         except Exception as exc:
-            self._internal_error("generation_ended", exc)
+            self.record_internal_error("generation_ended", exc)
         finally:
             self._charge(start)
 
@@ -322,6 +352,7 @@ class Watchdog:
             decoding = self.decoding()
             step_rate = self._step_rate() if decoding else 0.0
             rank, world_size = self._ranks()
+            guard = self._prefill_guard
             return fc.Forecast(
                 step=step,
                 resident_buffers=int(round(resident)),
@@ -337,8 +368,8 @@ class Watchdog:
                 retained_buffers=last.retained,
                 pending_graph_nodes=last.pending_nodes,
                 measured_step=last.step,
-                prefill_graph_nodes=self.prefill_graph_nodes,
-                max_safe_prefill_tokens=self.max_safe_prefill_tokens,
+                prefill_graph_nodes=None if guard is None else guard.graph_nodes,
+                max_safe_prefill_tokens=None if guard is None else guard.safe_tokens,
                 rank=rank,
                 world_size=world_size,
                 rate_known=growth.known,
@@ -361,6 +392,25 @@ class Watchdog:
     def record_stop(self, reason: str) -> None:
         with self._lock:
             self.stops[reason] += 1
+
+    def record_internal_error(self, where: str, exc: BaseException) -> None:
+        """Count and log an error caught on the watchdog's behalf (the decode goes on)."""
+        with self._lock:
+            self.internal_errors += 1
+            count = self.internal_errors
+        if count <= 3 or count % 1000 == 0:
+            logger.warning(
+                "mlx-watchdog internal error #%d in %s: %r (the decode goes on)",
+                count,
+                where,
+                exc,
+                exc_info=count <= 1,
+            )
+
+    def record_overhead(self, seconds: float) -> None:
+        """Seconds of the watchdog's work outside ``observe`` (the prefill guard's walks): in
+        ``overhead_seconds``, not against the walks' budget."""
+        self.overhead_seconds += seconds
 
     def __repr__(self) -> str:
         return f"Watchdog(name={self.name!r}, limit={self.limit}, fix={self.fix}, steps={self.steps})"
@@ -541,7 +591,7 @@ class Watchdog:
             try:
                 self.on_forecast(self.forecast())
             except Exception as exc:
-                self._internal_error("on_forecast callback", exc)
+                self.record_internal_error("on_forecast callback", exc)
         return [(f.site, f.array) for f in pending]
 
     def _fix(
@@ -556,7 +606,7 @@ class Watchdog:
             if pending:
                 failed = schedule_evaluation(pending, mx.async_eval)
         except Exception as exc:  # counted and logged; the decode goes on
-            self._internal_error("materialize", exc)
+            self.record_internal_error("materialize", exc)
             return
         finally:
             # The fix is a cost the user chose (fix_every sets it); charged to the walk budget it
@@ -681,19 +731,6 @@ class Watchdog:
         (``allocator.py``): out of its overhead and its budget (``observe`` adds its whole time)."""
         self.overhead_seconds -= seconds
         self._schedule.spent -= seconds
-
-    def _internal_error(self, where: str, exc: BaseException) -> None:
-        with self._lock:
-            self.internal_errors += 1
-            count = self.internal_errors
-        if count <= 3 or count % 1000 == 0:
-            logger.warning(
-                "mlx-watchdog internal error #%d in %s: %r (the decode goes on)",
-                count,
-                where,
-                exc,
-                exc_info=count <= 1,
-            )
 
     def _warn_once(self, key: str, message: str, *args) -> None:
         if key not in self._warned:
