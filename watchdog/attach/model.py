@@ -111,7 +111,6 @@ def watch_model(model, watchdog: Watchdog | None = None, **options):
                 ) from None
     if watchdog.name_is_default:
         watchdog.name = _model_name(model)
-        watchdog.name_is_default = False
     if not watchdog.parameter_buffers:
         watchdog.count_parameters(model)
     return model

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from typing import Any
 
 from . import forecast as fc
+
+logger = logging.getLogger("mlx_watchdog")
 
 WARN_INTERVAL_SECONDS = 60.0
 
@@ -25,10 +29,16 @@ class ResourceLimitForecast(RuntimeError):
 
 
 class Warnings:
-    """At most one resource-limit warning a minute."""
+    """The resource-limit warning at most once a minute; the others once per watchdog."""
 
     def __init__(self) -> None:
         self._last = -math.inf
+        self._said: set[str] = set()
+
+    def once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.warning(message, *args)
 
     def due(self) -> bool:
         now = time.monotonic()

@@ -42,7 +42,7 @@ class Schedule:
         self._owed = len(OWED_OFFSETS)  # index into OWED_OFFSETS of the next walk owed whatever the budget
         self._continuing = False  # the epoch's caches partly go on from the last one
         # Below both, no walk is wanted and due() is False: observe() skips the call (it runs on
-        # every step, after the forward has left the CPU's caches cold; see core._observe).
+        # every step, after the forward has left the CPU's caches cold; see Watchdog._observe).
         # wake_decode is the decode time of the last walk plus the gap to the next.
         self.wake_step: float = 0
         self.wake_decode = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
@@ -93,6 +93,15 @@ class Schedule:
         # at most overhead_budget is spent.
         allowed = max(self.overhead_budget * self.decode_seconds, WALK_CREDIT_SECONDS)
         return self.spent + self.last_cost <= overdraft * allowed
+
+    def charge(self, seconds: float) -> None:
+        """The watchdog's own seconds, against the budget. (``observe`` inlines this: every step.)"""
+        self.spent += seconds
+
+    def refund(self, seconds: float) -> None:
+        """Seconds charged that were not the watchdog's to pay (the program's deferred work, the
+        fix the user asked for)."""
+        self.spent -= seconds
 
     def first_of_decode(self, step: int) -> bool:
         """Is ``step`` the first of a new decode? Its reading is a level, not a point of the growth:

@@ -10,6 +10,10 @@ When it reads is ``schedule.py``'s: densely as each set of caches starts, then b
 within a lifetime budget. How much of the graph one reading walks is ``sampling.py``'s: all of it,
 or a sample of each site's pending chains when walking all would stall the decode. Between
 readings the forecast extrapolates.
+
+Two things may be attached to a watchdog, and its forecast asks them for their readings: a
+coordinator (``coordinator``: the ranks of a distributed job, ``coordination.py``) and a prefill
+guard (``prefill_guard``). Core defines what it asks of them; ``mlx_watchdog.attach`` provides them.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .attribution import Attribution
 from .caches import Scope, member_of
 from .coordination import Coordinator, launched, new_coordinator
-from .fix import Fixer, evaluated_output, resolvable, schedule_evaluation
-from .growth import SAMPLE_WINDOW, Growth
+from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
+from .growth import SAMPLE_WINDOW, Growth, SiteTally
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
 from .objects import type_name
 from .options import (
@@ -82,6 +86,17 @@ class PrefillReadings(Protocol):
         ...
 
 
+@dataclasses.dataclass(slots=True)
+class _CacheTally:
+    """A followed cache's buffers in one reading. When the cache dies they go with it, before the
+    next reading sees it (a request ended between two scrapes), and so does its share of the
+    growth (chains grow, evaluated arrays do not)."""
+
+    ref: weakref.ref | None  # the cache, while the scope follows it
+    buffers: float = 0.0  # evaluated arrays, and the buffers their pending graphs retain
+    retained: float = 0.0  # of which retained by pending graphs
+
+
 @dataclasses.dataclass(frozen=True)
 class _LastReading:
     step: int = 0
@@ -90,10 +105,17 @@ class _LastReading:
     retained: int = 0
     pending_nodes: int = 0
     sampled: bool = False
-    # (weak reference to a cache, the buffers it held, of which in pending chains): when a cache
-    # dies its buffers go with it, before the next reading sees it (a request ended between two
-    # scrapes), and so does its share of the growth (chains grow, evaluated arrays do not).
-    by_member: tuple = ()
+    by_cache: tuple[_CacheTally, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gone:
+    """What the caches dead since a reading took with them; recounted when the scope changes."""
+
+    reading: _LastReading | None = None
+    version: int = -1  # the scope's version it was counted at
+    buffers: float = 0.0  # the dead caches' buffers
+    alive_share: float = 1.0  # the share of the growth that goes on in the live caches
 
 
 class Watchdog:
@@ -150,8 +172,7 @@ class Watchdog:
         walk_interval = checked_walk_interval(walk_interval)
         if on_forecast is not None and not callable(on_forecast):
             raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
-        self.name = name or "default"
-        self.name_is_default = name is None
+        self._name = name  # None: "default", until an attachment names it after its model
         self.fix = fix
         self.warn_within = warn_within
         self.stop_within = stop_within
@@ -164,9 +185,8 @@ class Watchdog:
         self.steps = 0
         self.overhead_seconds = 0.0
         self.materialized_arrays = 0
-        self.fix_failures = (
-            0  # pending arrays the fix could not schedule (made on another thread's stream...)
-        )
+        # Pending arrays the fix could not schedule (made on another thread's stream...).
+        self.fix_failures = 0
         self.reclaimed_buffers = 0.0
         self.internal_errors = 0
         self.walks = 0
@@ -181,27 +201,22 @@ class Watchdog:
         self._last_observe = math.inf  # the first step's gap is no decode time
         self._ended = False  # the attachment said the generation ended
         self._stepping_thread: int | None = None
-        self._idle_after = IDLE_SECONDS
-        self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
+        self._step_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=SAMPLE_WINDOW)
+        self._pace_before_pause = 0.0  # seconds per step before the last pause (_seconds_per_step)
         self._scope = Scope()
-        self._schedule = Schedule(overhead_budget, walk_interval)  # holds overhead_budget, walk_interval
+        self._schedule = Schedule(overhead_budget, walk_interval)
         self._sampler = Sampler()
         self._epoch = 0
         self._epoch_version = -1
-        self._epoch_members: tuple = ()  # weak references to the caches of the current epoch
-        self._root_ids: tuple | None = None  # identity of the last roots: skips the scope on the same caches
+        self._epoch_members: tuple[weakref.ref, ...] = ()  # the caches of the current epoch
+        # Identity of the last roots: the same caches skip the scope.
+        self._root_ids: tuple[int, ...] | None = None
         self._anchor_ref: weakref.ref | None = None  # their first cache: dead, the ids may be reused
-        self._fixer = Fixer(fix_every, max_objects, max_depth)
+        self._fixer = Fixer(fix_every)
         self._warnings = Warnings()
-        self._warned: set[str] = set()
         self._last = _LastReading()  # between readings the forecast extrapolates from it
         self._attribution = Attribution()  # the source line of each leak site, probed once
-        self._gone: tuple = (
-            None,
-            -1,
-            0.0,
-            1.0,
-        )  # (reading, scope version, its dead caches' buffers, share alive)
+        self._gone = _Gone()
         self._empty_walks = 0
         self._reset_series()
         if model is not None:
@@ -220,6 +235,20 @@ class Watchdog:
             self.record_internal_error("coordinator", exc)
 
     # ----------------------------------------------------------------- public API
+
+    @property
+    def name(self) -> str:
+        """The ``watchdog`` label of its metrics."""
+        return self._name or "default"
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = checked_name(value)
+
+    @property
+    def name_is_default(self) -> bool:
+        """No name was given: an attachment names it after its model."""
+        return self._name is None
 
     @property
     def overhead_budget(self) -> float:
@@ -287,7 +316,9 @@ class Watchdog:
         """Count the model's parameter arrays (once) as resident buffers."""
         try:
             params = model.parameters() if hasattr(model, "parameters") else model
-            arrays = {id(a): a for _, a in tree_flatten(params) if isinstance(a, mx.array)}
+            flat: list[tuple[str, Any]] = []
+            tree_flatten(params, destination=flat)
+            arrays = {id(a): a for _, a in flat if isinstance(a, mx.array)}
             self._parameter_buffers = len(arrays)
             if self.walks == 0:  # nothing read yet: the parameters are what is known to be resident
                 self._last = _LastReading(resident=float(self._parameter_buffers))
@@ -335,7 +366,7 @@ class Watchdog:
                 if self._scope.version != self._epoch_version:
                     self._new_epoch(self.steps)
                 self._walk(None, self.steps)  # every live cache
-                self._fixer.paths = self._fixer.pending_paths = None  # they are the roots' paths
+                self._fixer.forget_paths()  # they are the roots' paths
         except Exception as exc:
             self.record_internal_error("generation_ended", exc)
         finally:
@@ -381,7 +412,7 @@ class Watchdog:
         """Is anything stepping? False after ``generation_ended()`` or an idle gap."""
         if self._ended or self._last_observe == math.inf:
             return False
-        return time.perf_counter() - self._last_observe <= self._idle_after
+        return time.perf_counter() - self._last_observe <= self._idle_seconds()
 
     def reset(self) -> None:
         """Forget the growth measured so far (a new generation starts); what is resident stays."""
@@ -423,6 +454,7 @@ class Watchdog:
         # on a 48-layer CPU decode: 35-41 us a step with the checks in helpers, 13-15 us as here,
         # 1-2 us in a hot loop). So a step that neither walks nor fixes runs this function alone.
         cls = type(roots)  # exact types: a subclass's len() or [] would run the program's code
+        ids: tuple[int, ...]
         if (cls is list or cls is tuple) and roots:  # its first, middle and last items
             anchor = roots[0]
             ids = (id(roots), len(roots), id(anchor), id(roots[len(roots) // 2]), id(roots[-1]))
@@ -439,9 +471,10 @@ class Watchdog:
         schedule = self._schedule
         if gap > 0:
             # Decode time: the gaps between steps, each capped, so idle time (a server between
-            # requests, a program doing other work) does not bank walking budget.
+            # requests, a program doing other work) does not bank walking budget. (The schedule's
+            # field, added to here rather than through a call: every step.)
             schedule.decode_seconds += gap if gap < MAX_STEP_SECONDS else MAX_STEP_SECONDS
-        if self._ended or gap > self._idle_after:
+        if self._ended or (gap > IDLE_SECONDS and gap > self._idle_seconds()):
             self._resume()  # after idle: a new epoch (a new decode if none of the caches lives on)
         self._last_observe = start
         step = self.steps = self.steps + 1
@@ -457,7 +490,7 @@ class Watchdog:
         if fixer.probe is not None:
             probe = fixer.end_probe(step)
             if probe is not None:
-                walked_pending = self._walk(roots, step, probe_start=probe)
+                walked_pending = self._walk(roots, step, probe)
         elif (step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode) and schedule.due(
             step
         ):
@@ -469,7 +502,7 @@ class Watchdog:
         if self.stop_within is not None or self.warn_within is not None or self._coordinator is not None:
             self._act(roots, last_output, step)
 
-    def _follow(self, roots: Any, ids: tuple, anchor: Any, prefill: bool) -> bool:
+    def _follow(self, roots: Any, ids: tuple[int, ...], anchor: Any, prefill: bool) -> bool:
         """Other roots than last step's: their caches join the scope. False when this forward is
         no step (a prompt filling other caches beside the running decode)."""
         if prefill and self._root_ids is not None and not self._scope.current(anchor):
@@ -480,7 +513,7 @@ class Watchdog:
             return False
         self._scope.follow(roots)
         self._root_ids = ids
-        self._fixer.paths = self._fixer.pending_paths = None
+        self._fixer.forget_paths()
         try:  # arrays are rebound every step, and some objects take no weak reference
             self._anchor_ref = None if issubclass(type(anchor), mx.array) else weakref.ref(anchor)
         except TypeError:
@@ -504,12 +537,14 @@ class Watchdog:
         none of the caches before the pause lives on (``_new_epoch``); a batch that goes on keeps
         its growth."""
         self._ended = False
+        self._pace_before_pause = self._seconds_per_step()
         self._step_times.clear()  # the idle gap is no step time
         self._epoch_version = -1
 
-    def _walk(self, roots: Any, step: int, probe_start: tuple | None = None) -> list[tuple[str, mx.array]]:
+    def _walk(self, roots: Any, step: int, probe: Probe | None = None) -> list[tuple[str, mx.array]]:
         """Read every live cache (``roots`` and the others; None: no roots, only the caches
-        followed); returns the roots' arrays found pending, with their sites."""
+        followed); returns the roots' arrays found pending, with their sites. ``probe``: the
+        fix-mode probe this reading ends."""
         self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
         t0, cpu0 = time.perf_counter(), graph.cpu_clock()
         others = self._scope.others() if roots is not None else self._scope.members()
@@ -523,37 +558,40 @@ class Watchdog:
         members = [None] + others
         self._empty_walks = 0 if result.found else self._empty_walks + 1
         if self._empty_walks == 3:  # a fresh cache is empty on its first step; three in a row is not
-            self._warn_once(
+            self._warnings.once(
                 "empty",
                 "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)",
                 type_name(roots),
             )
         if result.truncated:
-            self._warn_once("cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut)
+            self._warnings.once(
+                "cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut
+            )
         found = result.found
-        self._fixer.paths = [f.steps for f in found if f.root == 0 and resolvable(f.steps)]
         reading = self._sampler.read(found, step, root_keys)
         pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
-        # Between walks the fix re-reads only where pending arrays were seen (fix.py).
-        self._fixer.pending_paths = [(f.site, f.steps) for f in pending if resolvable(f.steps)]
+        self._fixer.remember_paths(found, pending)
 
-        held: dict[int, list] = {}  # per cache followed: [its weak reference, buffers, of which retained]
-        sites: dict[str, list] = {}
+        by_cache: dict[int, _CacheTally] = {}
+        sites: dict[str, SiteTally] = {}
         for f, done, retained in zip(found, reading.evaluated, reading.retained):
             member = members[f.root] if f.root else member_of(roots, f.steps)
-            entry = held.get(id(member))
-            if entry is None:
-                entry = held[id(member)] = [self._scope.ref(member), 0.0, 0.0]
-            entry[1] += 1 if done else retained
-            entry[2] += 0 if done else retained
-            entry = sites.setdefault(f.site, [0, 0.0, [], 0])
-            entry[3] += 1
+            cache = by_cache.get(id(member))
+            if cache is None:
+                cache = by_cache[id(member)] = _CacheTally(self._scope.ref(member))
+            site = sites.get(f.site)
+            if site is None:
+                site = sites[f.site] = SiteTally()
+            site.arrays += 1
             if done:
-                entry[0] += 1
+                cache.buffers += 1
+                site.held += 1
             else:
-                entry[1] += retained
-                if retained and len(entry[2]) < MAX_PATHS_PER_SITE:
-                    entry[2].append(f.path)
+                cache.buffers += retained
+                cache.retained += retained
+                site.retained += retained
+                if retained and len(site.paths) < MAX_PATHS_PER_SITE:
+                    site.paths.append(f.path)
         del members
 
         cache_buffers = reading.evaluated_arrays
@@ -572,7 +610,7 @@ class Watchdog:
         # The first reading of a new decode pairs with no other (-1 is no epoch): see schedule.py.
         epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
         with self._lock:
-            self._growth.record(step, epoch, sites, sample, probe_start)
+            self._growth.record(step, epoch, sites, sample, probe)
             self._growth.update_leaks(fixing=self.fix and self._fixer.fixed_once)
             self._last = _LastReading(
                 step,
@@ -581,7 +619,7 @@ class Watchdog:
                 int(round(retained_buffers)),
                 int(round(reading.pending_nodes)),
                 reading.sampled,
-                tuple(tuple(entry) for entry in held.values() if entry[0] is not None),
+                tuple(cache for cache in by_cache.values() if cache.ref is not None),
             )
             self.walks += 1
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
@@ -602,7 +640,9 @@ class Watchdog:
         fix_started = time.perf_counter()
         failed = 0
         try:
-            pending = fixer.pending(roots, walked_pending, self._growth.growing, sweep)
+            pending = fixer.pending(
+                roots, walked_pending, self._growth.growing, sweep, self.max_objects, self.max_depth
+            )
             if pending:
                 failed = schedule_evaluation(pending, mx.async_eval)
         except Exception as exc:  # counted and logged; the decode goes on
@@ -612,11 +652,11 @@ class Watchdog:
             # The fix is a cost the user chose (fix_every sets it); charged to the walk budget it
             # would starve the walks (measured: none after step 97 of 2,000 at fix_every=1) and
             # leave the metrics stale. It still counts in overhead_seconds.
-            self._schedule.spent -= time.perf_counter() - fix_started
+            self._schedule.refund(time.perf_counter() - fix_started)
         if failed:
             with self._lock:
                 self.fix_failures += failed
-            self._warn_once(
+            self._warnings.once(
                 "fix",
                 "mlx-watchdog: the fix could not schedule %d pending arrays (counted in "
                 "fix_failures; the others were scheduled)",
@@ -631,9 +671,7 @@ class Watchdog:
             self.materialized_arrays += len(pending) - failed
             if pending:
                 self.reclaimed_buffers += per_step * (step - fixer.last_step)
-            fixer.last_step = step
-            if not fixer.fixed_once:
-                fixer.fixed_once = True
+            if fixer.ran(step):  # the series' first fix
                 growth.fixed()
                 growth.update_leaks(fixing=True)
 
@@ -652,7 +690,7 @@ class Watchdog:
         if self.stop_within is not None and stl <= self.stop_within:
             if self.fix and evaluated_output(last_output):
                 # Try the fix first: materialize everything now and measure again.
-                self._fixer.probe = None
+                self._fixer.cancel_probe()
                 self._fix(roots, None, step, sweep=True)
                 self._walk(roots, step)
                 forecast = self.forecast()
@@ -690,19 +728,21 @@ class Watchdog:
     def _resident_now(self, step: int) -> float:
         last = self._last
         gone = self._gone
-        if gone[0] is not last or gone[1] != self._scope.version:  # a cache died since: recount
-            dead = [ref() is None for ref, _, _ in last.by_member]
-            chains = sum(r for _, _, r in last.by_member)
-            dead_chains = sum(r for (_, _, r), d in zip(last.by_member, dead) if d)
-            gone = self._gone = (
-                last,
-                self._scope.version,
-                sum(n for (_, n, _), d in zip(last.by_member, dead) if d),
-                1.0 - dead_chains / chains if chains else float(not all(dead) or not dead),
+        if gone.reading is not last or gone.version != self._scope.version:  # a cache died since: recount
+            caches = last.by_cache
+            dead = [cache for cache in caches if cache.ref is None or cache.ref() is None]
+            chains = sum(cache.retained for cache in caches)
+            dead_chains = sum(cache.retained for cache in dead)
+            if chains:
+                alive_share = 1.0 - dead_chains / chains
+            else:
+                alive_share = float(len(dead) < len(caches) or not caches)
+            gone = self._gone = _Gone(
+                last, self._scope.version, sum(cache.buffers for cache in dead), alive_share
             )
         # The growth since goes on in the caches that live: with a cache gone, so is its share.
-        growth = max(0.0, self._growth.rate) * (step - last.step) * gone[3]
-        return max(float(self._parameter_buffers), last.resident - gone[2]) + growth
+        growth = max(0.0, self._growth.rate) * (step - last.step) * gone.alive_share
+        return max(float(self._parameter_buffers), last.resident - gone.buffers) + growth
 
     def _ranks(self) -> tuple[int, int]:
         coordinator = self._coordinator
@@ -710,29 +750,35 @@ class Watchdog:
             return coordinator.rank, coordinator.world_size
         return launched()
 
+    def _seconds_per_step(self) -> float:
+        """Over the steps since the last pause; until two are seen, the pace before it."""
+        times = self._step_times
+        if len(times) >= 2:
+            (s0, t0), (s1, t1) = times[0], times[-1]
+            if t1 > t0:
+                return (t1 - t0) / (s1 - s0)
+        return self._pace_before_pause
+
+    def _idle_seconds(self) -> float:
+        # A slow decode (a big model on a slow host) is not idle between its steps.
+        return max(IDLE_SECONDS, 8 * self._seconds_per_step())
+
     def _step_rate(self) -> float:
         if len(self._step_times) < 2:
             return 0.0
         (s0, t0), (s1, t1) = self._step_times[0], self._step_times[-1]
         if t1 <= t0:
             return 0.0
-        # A slow decode (a big model on a slow host) is not idle between its steps.
-        self._idle_after = max(IDLE_SECONDS, 8 * (t1 - t0) / (s1 - s0))
         return (s1 - s0) / (t1 - t0)
 
     def _charge(self, start: float) -> None:
         """The watchdog's own time since ``start``: in its overhead and against its budget."""
         spent = time.perf_counter() - start
         self.overhead_seconds += spent
-        self._schedule.spent += spent
+        self._schedule.charge(spent)
 
     def _disown(self, seconds: float) -> None:
         """Seconds spent inside ``observe`` on the program's work, not the watchdog's
         (``allocator.py``): out of its overhead and its budget (``observe`` adds its whole time)."""
         self.overhead_seconds -= seconds
-        self._schedule.spent -= seconds
-
-    def _warn_once(self, key: str, message: str, *args) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message, *args)
+        self._schedule.refund(seconds)
