@@ -50,12 +50,8 @@ from ..core.watchdog import Watchdog, live_watchdogs
 
 logger = logging.getLogger("mlx_watchdog")
 
-# Ring backend over loopback, 2 ranks on 2 busy CPU cores: a blocking all_gather of 6 floats
-# between decode steps took 13 ms median (mostly waiting for the slower rank); started at one
-# step and read at the next, 58 us + 13 us. In a watched tiny-model decode (7 ms/token) a round
-# costs ~0.2 ms (with the forecast it sends) and other steps 4 us: every=32 took 0.15-0.26% of
-# decode time, every=16 0.28-0.64%. 32 keeps it well inside the 1% budget, which the graph
-# walks share; a stop comes at most every + READ_LAG steps after the leak is measurable.
+# A round every 32 steps keeps the agreement's cost well inside the 1% budget the graph walks
+# share; a stop comes at most every + READ_LAG steps after the leak is measurable.
 DEFAULT_EVERY = 32
 READ_LAG = 1  # a round started at step s is read at step s + READ_LAG
 ENV_DISABLE = "MLX_WATCHDOG_COORDINATE"  # "0" turns automatic coordination off (labels stay)

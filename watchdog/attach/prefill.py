@@ -116,9 +116,8 @@ class PrefillGuard:
 
     Two kinds of points: *live* chunks (what the program runs, walked once per length) and
     *calibration* chunks (built on a fresh ``make_prompt_cache`` cache, never evaluated). The
-    two may lie on different lines: mlx-lm's batched caches add ops per token (measured: a
-    tiny qwen3_next in ``BatchGenerator`` has about 25% more nodes per token than with a plain
-    cache). So calibration points only fill in until two live lengths are known.
+    two may lie on different lines: mlx-lm's batched caches add ops per token. So calibration
+    points only fill in until two live lengths are known.
 
     Args:
         watchdog: the model's watchdog (its ``limit``, ``stop_within`` and forecast).

@@ -254,8 +254,8 @@ class ServerHooks:
                         # mlx-lm's loop again: the model is loaded already, the next request gets a new batch.
             finally:
                 # The streams MLX made for this thread outlive it otherwise, and their destruction
-                # at interpreter exit aborts the process (`terminate called without an active
-                # exception`, exit 134: 6 of 15 SIGTERMs after a request, 0 of 15 with this).
+                # at interpreter exit can abort the process (`terminate called without an active
+                # exception`).
                 _clear_thread_streams()
 
         return _generate

@@ -95,7 +95,7 @@ class Fixer:
     In fix mode a walk starts a probe: the fix waits 1-3 steps, a second walk sees what those
     steps add to each site (the growth the fix cuts), then the fix runs every ``every`` steps.
     The probe's length varies so that its steps do not keep the phase of a chain the program
-    drains every few steps (seen: probes of one step every other step never saw the drain)."""
+    drains every few steps."""
 
     def __init__(self, every: int) -> None:
         self.every = every
@@ -167,11 +167,11 @@ class Fixer:
 
         Once the probes have measured the sites, those of the sites that grow: a pending array
         that does not grow (a counter the next forward evaluates, rows the model drains itself) is
-        work the program does anyway, and evaluating it early costs ~10 us an array on a GPU.
-        Between walks it re-reads only the paths the last walk saw pending and schedules them
-        unchecked: telling a pending array costs ~5 us (MLX raises), scheduling an evaluated one
-        ~0.1 us. Every FULL_SWEEP_FIXES-th fix sweeps every path and every pending array, so a site
-        that starts leaking after the last walk is cut within that many fixes."""
+        work the program does anyway, and evaluating it early costs device time. Between walks it
+        re-reads only the paths the last walk saw pending and schedules them unchecked: telling a
+        pending array costs more than scheduling an evaluated one. Every FULL_SWEEP_FIXES-th fix
+        sweeps every path and every pending array, so a site that starts leaking after the last
+        walk is cut within that many fixes."""
         self.fixes += 1
         sweep = sweep or self.fixes % FULL_SWEEP_FIXES == 0
 

@@ -449,10 +449,9 @@ class Watchdog:
     # ----------------------------------------------------------------- the step
 
     def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float) -> None:
-        # This runs on every decode step, on the decode thread, just after the forward has left
-        # the CPU's caches cold: there every Python call and every object touched costs (measured
-        # on a 48-layer CPU decode: 35-41 us a step with the checks in helpers, 13-15 us as here,
-        # 1-2 us in a hot loop). So a step that neither walks nor fixes runs this function alone.
+        # Every decode step runs this, just after the forward left the CPU's caches cold, where
+        # each Python call and object touched costs: a step that neither walks nor fixes runs
+        # this function alone.
         cls = type(roots)  # exact types: a subclass's len() or [] would run the program's code
         ids: tuple[int, ...]
         if (cls is list or cls is tuple) and roots:  # its first, middle and last items
@@ -649,9 +648,9 @@ class Watchdog:
             self.record_internal_error("materialize", exc)
             return
         finally:
-            # The fix is a cost the user chose (fix_every sets it); charged to the walk budget it
-            # would starve the walks (measured: none after step 97 of 2,000 at fix_every=1) and
-            # leave the metrics stale. It still counts in overhead_seconds.
+            # The fix is a cost the user chose (fix_every sets it): charged to the walk budget,
+            # it would starve the walks and leave the metrics stale. It still counts in
+            # overhead_seconds.
             self._schedule.refund(time.perf_counter() - fix_started)
         if failed:
             with self._lock:
