@@ -239,6 +239,8 @@ class WatchdogCollector:
     produce duplicate series, so a later one is exported as ``name-2``, ``name-3`` (with a
     warning); name your watchdogs ``Watchdog(name=...)`` to choose."""
 
+    _max_sites: int
+
     def __init__(self, watchdogs: Sequence[Watchdog] | None = None, *, max_sites: int = DEFAULT_MAX_SITES):
         self.max_sites = max_sites  # checked by the property
         if watchdogs is not None:
@@ -314,7 +316,7 @@ class WatchdogCollector:
             per_step, steps_left, seconds_left = 0.0, math.inf, math.inf
         else:
             per_step, steps_left, seconds_left = f.buffers_per_step, f.steps_to_limit, f.seconds_to_limit
-        rows = [
+        rows: list[tuple[str, tuple, float]] = [
             ("mlx_watchdog_resident_buffers", base, f.resident_buffers),
             ("mlx_watchdog_resource_limit_buffers", base, f.limit),
             ("mlx_watchdog_buffers_per_step", base, per_step),
@@ -325,12 +327,12 @@ class WatchdogCollector:
             ("mlx_watchdog_pending_graph_nodes", base, f.pending_graph_nodes),
         ]
         rows += self._site_rows(wd, f, base)
-        for name, value in (
+        for name, reading in (
             ("mlx_watchdog_prefill_graph_nodes", f.prefill_graph_nodes),
             ("mlx_watchdog_max_safe_prefill_tokens", f.max_safe_prefill_tokens),
         ):
-            if value is not None:
-                rows.append((name, base, value))
+            if reading is not None:
+                rows.append((name, base, reading))
         rows += [(name, base, value) for name, value in memory.items()]
         info = (
             static["version"],
@@ -762,8 +764,8 @@ def _check_positive(label: str, value, integer: bool = False) -> None:
     if (
         isinstance(value, bool)
         or not isinstance(value, kind)
-        or not value > 0
-        or (not integer and not math.isfinite(value))
+        or value <= 0
+        or (not integer and not math.isfinite(value))  # NaN too
     ):
         raise ValueError(f"{label} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 

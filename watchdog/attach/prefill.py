@@ -49,7 +49,7 @@ from ..core.chunks import (
 )
 from ..core.limits import resolve_limit
 from ..core.watchdog import Watchdog
-from .model import watch_model, watched_state
+from .model import state_watched_by, watched_state
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -383,10 +383,7 @@ def install(
     ``calibrate``: chunk lengths to measure now on a fresh cache (never evaluated), so
     ``on_safe_size`` hears the safe size before the first request."""
     guard = PrefillGuard(watchdog, safety, on_safe_size)
-    state = watched_state(model)
-    if state is None:
-        watch_model(model, watchdog)
-        state = watched_state(model)
+    state = state_watched_by(model, watchdog)
     state.prefill_hooks[:] = [
         h for h in state.prefill_hooks if not isinstance(getattr(h, "__self__", None), PrefillGuard)
     ]
@@ -432,8 +429,9 @@ def safe_prefill_report(
     safety = _check_safety(safety)
     limit = resolve_limit(limit)
     if resident_buffers is None:
-        params = model.parameters() if hasattr(model, "parameters") else {}
-        resident_buffers = len({id(a) for _, a in tree_flatten(params) if isinstance(a, mx.array)})
+        flat: list[tuple[str, Any]] = []
+        tree_flatten(model.parameters() if hasattr(model, "parameters") else {}, destination=flat)
+        resident_buffers = len({id(a) for _, a in flat if isinstance(a, mx.array)})
     elif isinstance(resident_buffers, bool) or not isinstance(resident_buffers, int) or resident_buffers < 0:
         raise ValueError(f"resident_buffers must be an int >= 0, got {resident_buffers!r}")
     measured: list[Measurement] = []

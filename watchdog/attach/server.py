@@ -280,7 +280,8 @@ class ServerHooks:
 
     def _retire_models(self, models: list) -> None:
         with self._lock:
-            keep, gone = [], []
+            keep: list[tuple[weakref.ref, Watchdog]] = []
+            gone: list[tuple[weakref.ref, Watchdog]] = []
             for ref, wd in self._watched:
                 model = ref()
                 (gone if model is None or any(model is m for m in models) else keep).append((ref, wd))
@@ -291,11 +292,8 @@ class ServerHooks:
     @staticmethod
     def _retire(model: Any, watchdog: Watchdog) -> None:
         watchdog.export = False  # its series leave /metrics: the model is gone
-        if (
-            model is not None
-            and watched_state(model) is not None
-            and watched_state(model).watchdog is watchdog
-        ):
+        state = watched_state(model) if model is not None else None
+        if state is not None and state.watchdog is watchdog:
             unwatch_model(model)
 
     def _install_prefill(self, watchdog: Watchdog, model: Any, provider: Any) -> None:
@@ -422,7 +420,7 @@ class ServerPrefillAdapter:
     def attach(self, server_module: Any = None) -> ServerPrefillAdapter:
         if server_module is None:
             import mlx_lm.server as server_module
-        original = getattr(server_module, "BatchGenerator", None)
+        original: Any = getattr(server_module, "BatchGenerator", None)
         if not isinstance(original, type):
             raise ValueError(f"{server_module!r} has no BatchGenerator class to track")
         adapter = self

@@ -18,6 +18,12 @@ class ResourceLimitForecast(RuntimeError):
     """Raised from an observed step when the forecast puts the buffer limit within ``stop_within``
     steps: the generation ends cleanly while the process and the device are still healthy."""
 
+    # Set by the stop that raised it: a distributed stop (the ranks' agreement) or a prefill one.
+    agreement: Any = None
+    chunk_tokens: int | None = None
+    predicted_buffers: float | None = None
+    safe_prefill_tokens: int | None = None
+
     def __init__(self, forecast: fc.Forecast, reason: str = "forecast"):
         self.forecast = forecast
         self.reason = reason
