@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
 from .. import __version__
+from ..core.coordination import launch_rank
 from ..core.limits import device_name
 from ..core.watchdog import Watchdog, live_watchdogs
 from .http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, BoundedHTTPServer
@@ -238,6 +239,8 @@ class WatchdogCollector:
     produce duplicate series, so a later one is exported as ``name-2``, ``name-3`` (with a
     warning); name your watchdogs ``Watchdog(name=...)`` to choose."""
 
+    _max_sites: int
+
     def __init__(self, watchdogs: Sequence[Watchdog] | None = None, *, max_sites: int = DEFAULT_MAX_SITES):
         self.max_sites = max_sites  # checked by the property
         if watchdogs is not None:
@@ -313,7 +316,7 @@ class WatchdogCollector:
             per_step, steps_left, seconds_left = 0.0, math.inf, math.inf
         else:
             per_step, steps_left, seconds_left = f.buffers_per_step, f.steps_to_limit, f.seconds_to_limit
-        rows = [
+        rows: list[tuple[str, tuple, float]] = [
             ("mlx_watchdog_resident_buffers", base, f.resident_buffers),
             ("mlx_watchdog_resource_limit_buffers", base, f.limit),
             ("mlx_watchdog_buffers_per_step", base, per_step),
@@ -324,12 +327,12 @@ class WatchdogCollector:
             ("mlx_watchdog_pending_graph_nodes", base, f.pending_graph_nodes),
         ]
         rows += self._site_rows(wd, f, base)
-        for name, value in (
+        for name, reading in (
             ("mlx_watchdog_prefill_graph_nodes", f.prefill_graph_nodes),
             ("mlx_watchdog_max_safe_prefill_tokens", f.max_safe_prefill_tokens),
         ):
-            if value is not None:
-                rows.append((name, base, value))
+            if reading is not None:
+                rows.append((name, base, reading))
         rows += [(name, base, value) for name, value in memory.items()]
         info = (
             static["version"],
@@ -482,12 +485,8 @@ def _copy_counter(counter) -> dict:
 
 
 def _count_error(wd: Watchdog, exc: Exception) -> None:
-    counted = getattr(wd, "_internal_error", None)
     try:
-        if callable(counted):
-            counted("prometheus exporter", exc)  # counts under the watchdog's lock and logs
-        else:
-            wd.internal_errors += 1
+        wd.record_internal_error("prometheus exporter", exc)
     except Exception:
         logger.warning("mlx-watchdog exporter: skipped watchdog %r: %r", wd, exc)
 
@@ -765,8 +764,8 @@ def _check_positive(label: str, value, integer: bool = False) -> None:
     if (
         isinstance(value, bool)
         or not isinstance(value, kind)
-        or not value > 0
-        or (not integer and not math.isfinite(value))
+        or value <= 0
+        or (not integer and not math.isfinite(value))  # NaN too
     ):
         raise ValueError(f"{label} must be a positive {'integer' if integer else 'number'}, got {value!r}")
 
@@ -829,10 +828,6 @@ def _bind_hint(exc: OSError, port: int) -> str:
 
 # --------------------------------------------------------------------------- distributed
 
-# Launchers set the rank in the environment: mlx.launch (ring, nccl, jaccl) MLX_RANK, JACCL
-# JACCL_RANK, Open MPI OMPI_COMM_WORLD_RANK, MPICH/PMIx PMI_RANK/PMIX_RANK.
-_RANK_VARIABLES = ("MLX_RANK", "JACCL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-
 
 def default_metrics_port(base: int = DEFAULT_PORT) -> int:
     """``base + rank`` in a distributed MLX job (so ranks on one host do not clash), else ``base``.
@@ -859,11 +854,7 @@ def _distributed_rank() -> int:
     for wd in _safe_live():
         if _world_size(wd) > 1:
             return int(wd.rank)
-    for variable in _RANK_VARIABLES:
-        value = os.environ.get(variable, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 0
+    return launch_rank() or 0
 
 
 def _safe_live() -> Iterable[Watchdog]:

@@ -1,8 +1,8 @@
 """One rank of tests/test_distributed.py, started by ``mlx.launch --backend ring -n 2``.
 
 Every rank decodes the same tiny model with mlx-lm's ``generate_step`` through the ``@watch``
-decorator, exactly as a user would write it (the decorator and its metrics port are set up
-before ``mx.distributed.init()``); only ``--leak-rank`` leaks, through a lazy chain on a cache
+decorator, exactly as a user would write it (``instrument()`` first, then the decorator and its
+metrics port, before ``mx.distributed.init()``); only ``--leak-rank`` leaks, through a lazy chain on a cache
 attribute. Each rank writes ``rank<r>.json`` with what it saw, keeps serving metrics until the
 test creates ``--release`` (or ``--hold`` seconds pass), then meets the other ranks in a final
 barrier: the ring backend tears every rank down when one exits.
@@ -21,6 +21,7 @@ import traceback
 import mlx.core as mx
 
 from mlx_watchdog import ResourceLimitForecast, Watchdog, watch
+from mlx_watchdog.attach import distributed
 from mlx_watchdog.exporters.prometheus import default_metrics_port
 
 
@@ -54,6 +55,7 @@ def agreement_record(a) -> dict:
 
 def main() -> int:
     args = parse_args()
+    distributed.instrument()  # before anything initializes the group
     launched_rank = int(os.environ.get("MLX_RANK", "0"))
     port = default_metrics_port(args.metrics_base)
 
@@ -85,11 +87,11 @@ def main() -> int:
         "metrics_port": port,
         "wd_rank": wd.rank,
         "wd_world_size": wd.world_size,
-        "coordinated": wd.coordinator is not None,
+        "coordinated": isinstance(wd.coordinator, distributed.Coordinator),
         "later": {
             "rank": later.rank,
             "world_size": later.world_size,
-            "coordinated": later.coordinator is not None,
+            "coordinated": isinstance(later.coordinator, distributed.Coordinator),
         },
     }
 

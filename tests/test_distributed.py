@@ -28,6 +28,7 @@ from support import (
 
 from mlx_watchdog import ResourceLimitForecast, Watchdog
 from mlx_watchdog.attach import distributed as dist
+from mlx_watchdog.core import coordination
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "dist_worker.py"
@@ -331,28 +332,140 @@ def test_single_process_watchdog_is_not_coordinated():
     assert dist.current_group() is None
     wd = Watchdog(export=False)
     assert (wd.rank, wd.world_size, wd.coordinator) == (0, 1, None)
-    assert getattr(mx.distributed.init, "_mlx_watchdog_original", None) is not None
+
+
+def test_instrument_is_idempotent_and_uninstrument_restores_init_exactly(monkeypatch):
+    def init(*args, **kwargs):
+        return FakeGroup(0, 1)
+
+    monkeypatch.setattr(mx.distributed, "init", init)
+    assert not dist.instrumented()
+    assert dist.instrument() and not dist.instrument()
+    try:
+        wrapper = mx.distributed.init
+        assert wrapper is not init and wrapper.__wrapped__ is init and dist.instrumented()
+        group = mx.distributed.init()
+        assert isinstance(group, FakeGroup) and dist.current_group() is None  # size 1: not recorded
+    finally:
+        dist.uninstrument()
+    assert mx.distributed.init is init and not dist.instrumented()
+    assert Watchdog(export=False).coordinator is None  # no factory left behind
+    dist.uninstrument()  # undoing twice changes nothing
+    assert mx.distributed.init is init
+
+
+# Run in a process of its own: it records a (fake) group of size 2 for good.
+INSTRUMENT_SCRIPT = """
+import importlib, json, pkgutil
+import mlx.core as mx
+
+real_init = mx.distributed.init
+import mlx_watchdog
+import mlx_watchdog.exporters.prometheus
+for module in pkgutil.walk_packages(mlx_watchdog.__path__, "mlx_watchdog."):
+    if module.name != "mlx_watchdog.__main__":
+        importlib.import_module(module.name)
+untouched = mx.distributed.init is real_init
+
+class Group:
+    def rank(self):
+        return 1
+
+    def size(self):
+        return 2
+
+def fake_init(*args, **kwargs):
+    return Group()
+
+mx.distributed.init = fake_init
+from mlx_watchdog import Watchdog
+from mlx_watchdog.attach import distributed as dist
+
+before = Watchdog(export=False)  # made before init: joins when init returns
+stepped = Watchdog(export=False)
+stepped.observe([mx.array([1.0])])  # stepped before init: not joined (its steps would not line up)
+instrumented = dist.instrument()
+group = mx.distributed.init()
+after = Watchdog(export=False)  # made once the group exists
+dist.uninstrument()
+late = Watchdog(export=False)  # made after uninstrument: no factory
+print(json.dumps({
+    "untouched": untouched,
+    "instrumented": instrumented,
+    "returned": type(group).__name__,
+    "restored": mx.distributed.init is fake_init,
+    "recorded": dist.current_group() is group,
+    "before": [before.rank, before.world_size, type(before.coordinator).__name__],
+    "stepped": type(stepped.coordinator).__name__,
+    "after": [after.rank, after.world_size, type(after.coordinator).__name__],
+    "forecast": [after.forecast().rank, after.forecast().world_size],
+    "late": type(late.coordinator).__name__,
+}))
+"""
+
+
+def test_importing_patches_nothing_and_instrument_coordinates_watchdogs_before_and_after_init():
+    env = {k: v for k, v in os.environ.items() if k != dist.ENV_DISABLE}
+    done = subprocess.run(
+        [sys.executable, "-c", INSTRUMENT_SCRIPT], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == {
+        "untouched": True,  # importing every module of the package wraps nothing
+        "instrumented": True,
+        "returned": "Group",  # the wrapper returns what init returns
+        "restored": True,
+        "recorded": True,
+        "before": [1, 2, "Coordinator"],
+        "stepped": "NoneType",
+        "after": [1, 2, "Coordinator"],
+        "forecast": [1, 2],
+        "late": "NoneType",
+    }, done.stderr
 
 
 def test_launch_env_reads_the_launchers_variables(monkeypatch, tmp_path):
-    for name in (
-        "MLX_RANK",
-        "MLX_WORLD_SIZE",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "PMI_RANK",
-        "PMI_SIZE",
-        "PMIX_RANK",
-        "MLX_HOSTFILE",
-    ):
+    names = coordination.RANK_VARIABLES + coordination.SIZE_VARIABLES + (coordination.HOSTFILE_VARIABLE,)
+    for name in names:
         monkeypatch.delenv(name, raising=False)
-    assert dist.launch_env() is None
+    assert coordination.launch_env() is None and coordination.launch_rank() is None
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["127.0.0.1:5002"]]))
     monkeypatch.setenv("MLX_RANK", "2")
     monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
-    assert dist.launch_env() == (2, 3)
+    assert coordination.launch_env() == (2, 3)
     monkeypatch.setenv("MLX_RANK", "3")
-    assert dist.launch_env() is None  # a rank outside the ring is not trusted
+    assert coordination.launch_env() is None  # a rank outside the ring is not trusted
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
-    assert dist.launch_env() == (3, 4)
+    assert coordination.launch_env() == (3, 4)
+    monkeypatch.delenv("MLX_RANK")
+    monkeypatch.setenv("JACCL_RANK", "1")  # the exporter's metrics port and the labels agree on it
+    assert coordination.launch_env() == (1, 4) and coordination.launch_rank() == 1
+
+
+def test_without_a_coordinator_the_rank_is_the_launchers(monkeypatch):
+    for name in coordination.RANK_VARIABLES + coordination.SIZE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLX_RANK", "1")
+    monkeypatch.setenv("MLX_WORLD_SIZE", "2")
+    coordination.launched.cache_clear()  # read once per process: read this environment
+    try:
+        wd = Watchdog(export=False)
+        assert (wd.rank, wd.world_size, wd.coordinator) == (1, 2, None)
+        assert (wd.forecast().rank, wd.forecast().world_size) == (1, 2)
+        dist.attach(wd, FakeGroup(0, 3), every=8)  # a group's rank wins (the coordinator's)
+        assert (wd.rank, wd.world_size, wd.forecast().world_size) == (0, 3, 3)
+        dist.detach(wd)
+        assert (wd.rank, wd.world_size, wd.coordinator) == (1, 2, None)
+    finally:
+        monkeypatch.undo()
+        coordination.launched.cache_clear()
+
+
+def test_the_coordinator_hook_checks_what_it_is_given():
+    wd = Watchdog(export=False)
+    with pytest.raises(ValueError, match="coordinator"):
+        wd.coordinator = object()
+    with pytest.raises(ValueError, match="prefill_guard"):
+        wd.prefill_guard = object()

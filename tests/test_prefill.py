@@ -179,8 +179,9 @@ def test_safe_chunk_from_a_configured_small_limit(hybrid):
     for n in (16, 32, 64, 64):
         run_chunk(hybrid, cache, n)
     safe = guard.safe_tokens
-    assert wd.max_safe_prefill_tokens == safe == sizes[-1] == wd.forecast().max_safe_prefill_tokens
-    assert wd.prefill_graph_nodes == guard.measurements[-1].nodes == wd.forecast().prefill_graph_nodes
+    assert wd.prefill_guard is guard  # the watchdog's forecast reads the guard installed on it
+    assert wd.forecast().max_safe_prefill_tokens == safe == sizes[-1]
+    assert wd.forecast().prefill_graph_nodes == guard.graph_nodes == guard.measurements[-1].nodes
     assert guard.nodes_fit.points == 3
     # Each new length is walked once (the limit is near, so the fit is refined); the
     # repeated length is not walked again.
@@ -206,7 +207,7 @@ def test_flat_graph_is_safe_at_any_size_or_none(flat_model):
         cache = make_prompt_cache(model)
         for n in LENGTHS:
             run_chunk(model, cache, n)
-        assert guard.safe_tokens == expected == wd.max_safe_prefill_tokens
+        assert guard.safe_tokens == expected == wd.forecast().max_safe_prefill_tokens
 
 
 @pytest.mark.parametrize("near", [True, False])

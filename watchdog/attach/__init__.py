@@ -4,5 +4,7 @@
 * ``decorator.py``: ``@watch``, a generate function with mlx-lm's calling convention.
 * ``step.py``: ``watch_step``, a bare step function.
 * ``server.py``: ``mlx_lm.server``'s hooks (``mlx-watchdog serve``).
-* ``prefill.py``: the prefill guard; ``distributed.py``: ranks that stop together.
+* ``prefill.py``: the prefill guard (installed on the model and on its watchdog).
+* ``distributed.py``: ranks that stop together, once ``instrument()`` is called (importing
+  ``mlx_watchdog`` patches nothing).
 """

@@ -66,7 +66,7 @@ def watch(
                 cache = make_prompt_cache(model) + make_prompt_cache(draft)
             else:
                 cache = make_prompt_cache(model, max_kv_size=given.get("max_kv_size"))
-            if "prompt_cache" in signature.parameters:
+            if "prompt_cache" in signature.parameters or var_keyword is None:
                 bound.arguments["prompt_cache"] = cache
             else:
                 bound.arguments[var_keyword] = {**bound.arguments.get(var_keyword, {}), "prompt_cache": cache}
@@ -81,8 +81,8 @@ def watch(
             with Watching(model, watchdog):
                 yield from fn(*args, **kwargs)
 
-        generator_wrapper.watchdog = watchdog
-        generator_wrapper.metrics_server = metrics_server  # its .port, when port 0 picked one
+        # .metrics_server: its .port, when port 0 picked one
+        generator_wrapper.__dict__.update(watchdog=watchdog, metrics_server=metrics_server)
         return generator_wrapper
 
     @functools.wraps(fn)
@@ -91,6 +91,5 @@ def watch(
         with Watching(model, watchdog):
             return fn(*args, **kwargs)
 
-    wrapper.watchdog = watchdog
-    wrapper.metrics_server = metrics_server
+    wrapper.__dict__.update(watchdog=watchdog, metrics_server=metrics_server)
     return wrapper

@@ -4,12 +4,20 @@ Each rank has its own buffers, its own limit and possibly its own leak; a rank t
 leaves the others failing in their next collective operation. Here the ranks agree, through
 one small MLX collective (``mx.distributed.all_gather``) every ``every`` steps, on the worst
 (smallest) steps-to-limit of the group and on the step at which to stop, so every rank raises
-:class:`~mlx_watchdog.core.ResourceLimitForecast` at the same step. The fix stays local.
+:class:`~mlx_watchdog.ResourceLimitForecast` at the same step. The fix stays local.
 
     import mlx.core as mx
-    import mlx_watchdog                      # before mx.distributed.init(): it records the group
+    import mlx_watchdog
+    from mlx_watchdog.attach import distributed
+
+    distributed.instrument()                 # before mx.distributed.init()
     group = mx.distributed.init()            # or mlx-lm's sharded_load, which calls it
-    wd = mlx_watchdog.Watchdog(stop_within=1000)   # wd.rank, wd.world_size, wd.coordinator set
+    wd = mlx_watchdog.Watchdog(stop_within=1000)   # wd.coordinator: a Coordinator
+
+``instrument()`` wraps ``mx.distributed.init`` to record the group the program initializes, and
+installs a factory (``core/coordination.py``) that gives every new watchdog a coordinator once
+that group exists; watchdogs made before ``init`` join when it returns. ``uninstrument()`` puts
+``mx.distributed.init`` back. Importing this module changes nothing.
 
 Schedule: a round starts at every step that is a multiple of ``every`` (a pure function of the
 step count, so every rank calls the collective at the same steps) and is read one step later
@@ -25,24 +33,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import mlx.core as mx
 
+from ..core import coordination
+from ..core import forecast as fc
+from ..core.actions import ResourceLimitForecast
+from ..core.watchdog import Watchdog, live_watchdogs
+
 logger = logging.getLogger("mlx_watchdog")
 
-# Ring backend over loopback, 2 ranks on 2 busy CPU cores: a blocking all_gather of 6 floats
-# between decode steps took 13 ms median (mostly waiting for the slower rank); started at one
-# step and read at the next, 58 us + 13 us. In a watched tiny-model decode (7 ms/token) a round
-# costs ~0.2 ms (with the forecast it sends) and other steps 4 us: every=32 took 0.15-0.26% of
-# decode time, every=16 0.28-0.64%. 32 keeps it well inside the 1% budget, which the graph
-# walks share; a stop comes at most every + READ_LAG steps after the leak is measurable.
+# A round every 32 steps keeps the agreement's cost well inside the 1% budget the graph walks
+# share; a stop comes at most every + READ_LAG steps after the leak is measurable.
 DEFAULT_EVERY = 32
 READ_LAG = 1  # a round started at step s is read at step s + READ_LAG
 ENV_DISABLE = "MLX_WATCHDOG_COORDINATE"  # "0" turns automatic coordination off (labels stay)
@@ -51,61 +60,23 @@ _FIELDS = ("step", "steps_to_limit", "resident_buffers", "buffers_per_step", "li
 
 _lock = threading.RLock()
 _group: Any = None  # the global group of size > 1 that the program initialized, once seen
+_wrapped: tuple[Callable, Callable] | None = None  # (mx.distributed.init as found, our wrapper)
 
 
-# --------------------------------------------------------------------------- the group
+# --------------------------------------------------------------------------- instrumenting
 
 
-def current_group() -> Any:
-    """The distributed group of size > 1 this process initialized, when mlx_watchdog saw the
-    ``mx.distributed.init()`` call (import mlx_watchdog first); else ``None``. Never calls
-    ``init`` itself: launched, that joins the ring and blocks until every rank joins."""
-    return _group
-
-
-def launch_env() -> tuple[int, int] | None:
-    """``(rank, size)`` from the launcher's environment (mlx.launch, mpirun), without touching
-    MLX's distributed state; ``None`` when this process was not launched as one of several."""
-    rank = _env_int("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-    size = _env_int("MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-    if size is None:
-        size = _hostfile_size()
-    if rank is None or size is None or size <= 1 or not 0 <= rank < size:
-        return None
-    return rank, size
-
-
-def _env_int(*names: str) -> int | None:
-    for name in names:
-        value = os.environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return None
-
-
-def _hostfile_size() -> int | None:
-    # mlx.launch's ring backend writes the ring (one list of addresses per rank) to MLX_HOSTFILE.
-    path = os.environ.get("MLX_HOSTFILE", "").strip()
-    if not path:
-        return None
-    try:
-        with open(path) as f:
-            hosts = json.load(f)
-        return len(hosts) if isinstance(hosts, list) else None
-    except (OSError, ValueError):
-        return None
-
-
-def install_init_hook() -> None:
-    """Wrap ``mx.distributed.init`` so the group it returns is recorded (idempotent).
-
-    MLX has no query for "is a group initialized?": calling ``init`` is the only way to get the
-    group, and when launched it joins the ring. So the call the program makes anyway is watched;
-    the wrapper returns exactly what ``init`` returns."""
+def instrument() -> bool:
+    """Coordinate the watchdogs of this process with the other ranks: wrap ``mx.distributed.init``
+    so the group the program initializes is recorded (the wrapper returns exactly what ``init``
+    returns), and give watchdogs a coordinator once that group exists, those made before it
+    (when ``init`` returns, if they have not stepped yet) and after it. Call it before
+    ``mx.distributed.init()``. Idempotent; returns whether this call instrumented."""
+    global _wrapped
     with _lock:
+        if _wrapped is not None:
+            return False
         original = mx.distributed.init
-        if getattr(original, "_mlx_watchdog_original", None) is not None:
-            return
 
         @functools.wraps(original)
         def init(*args, **kwargs):
@@ -113,8 +84,42 @@ def install_init_hook() -> None:
             _record(group)
             return group
 
-        init._mlx_watchdog_original = original
         mx.distributed.init = init
+        _wrapped = (original, init)
+        coordination.set_factory(_new_watchdog)
+        return True
+
+
+def uninstrument() -> None:
+    """Undo ``instrument()``: ``mx.distributed.init`` is the function it was before, and new
+    watchdogs get no coordinator. Watchdogs already coordinated stay so (``detach`` ends that)."""
+    global _wrapped
+    with _lock:
+        if _wrapped is None:
+            return
+        original, wrapper = _wrapped
+        _wrapped = None
+        if mx.distributed.init is wrapper:
+            mx.distributed.init = original
+        else:  # wrapped again since by someone else: unwrapping would drop their wrapper
+            logger.warning(
+                "mlx-watchdog: mx.distributed.init was wrapped again after instrument(); left as it is"
+            )
+        previous = coordination.set_factory(None)
+        if previous is not _new_watchdog:  # another's since: leave it
+            coordination.set_factory(previous)
+
+
+def instrumented() -> bool:
+    """Is ``instrument()`` in effect?"""
+    return _wrapped is not None
+
+
+def current_group() -> Any:
+    """The distributed group of size > 1 this process initialized, when ``mx.distributed.init()``
+    ran instrumented; else ``None``. Never calls ``init`` itself: launched, that joins the ring
+    and blocks until every rank joins."""
+    return _group
 
 
 def _record(group: Any) -> None:
@@ -134,22 +139,32 @@ def _record(group: Any) -> None:
 def _attach_waiting(group: Any) -> None:
     """Watchdogs created before ``init`` (a decorator at import time) join once it returns, if they
     have not stepped yet: their step counts then start together on every rank."""
-    from ..core import watchdog as core
-
-    with core._live_lock:
-        waiting = [wd for wd in list(core._live) if wd.coordinator is None]
-    for wd in waiting:
-        if not _coordination_enabled():
-            wd.rank, wd.world_size = group.rank(), group.size()
-        elif wd.steps == 0:
+    if not _coordination_enabled():
+        return
+    for wd in live_watchdogs(unexported=True):
+        if wd.coordinator is not None:
+            continue
+        if wd.steps == 0:
             attach(wd, group)
         else:
             logger.warning(
                 "mlx-watchdog: %r stepped before mx.distributed.init(): its stops are not "
-                "coordinated; call mlx_watchdog.distributed.attach(wd) on every rank "
+                "coordinated; call mlx_watchdog.attach.distributed.attach(wd) on every rank "
                 "at the same step",
                 wd,
             )
+
+
+def _new_watchdog(watchdog: Watchdog) -> Coordinator | None:
+    """The factory ``instrument()`` installs: a coordinator for a watchdog made once the group
+    exists. Never initializes anything, never raises."""
+    try:
+        group = _group
+        if group is not None and _coordination_enabled():
+            return _coordinator(watchdog, group, DEFAULT_EVERY)
+    except Exception as exc:
+        logger.warning("mlx-watchdog: distributed attach failed (the watchdog works locally): %r", exc)
+    return None
 
 
 def _coordination_enabled() -> bool:
@@ -159,33 +174,13 @@ def _coordination_enabled() -> bool:
 # --------------------------------------------------------------------------- attaching
 
 
-def auto_attach(watchdog: Any) -> Coordinator | None:
-    """Called by ``Watchdog.__init__``. Attaches to the group the program already initialized
-    (size > 1); launched without one yet, only sets rank and world size from the launcher's
-    environment. Never initializes anything, never raises."""
-    try:
-        group = _group
-        if group is not None and _coordination_enabled():
-            return attach(watchdog, group)
-        env = launch_env()
-        if group is not None:
-            watchdog.rank, watchdog.world_size = group.rank(), group.size()
-        elif env is not None:
-            watchdog.rank, watchdog.world_size = env
-    except Exception as exc:
-        logger.warning("mlx-watchdog: distributed attach failed (the watchdog works locally): %r", exc)
-    return None
-
-
-def attach(watchdog: Any, group: Any = None, *, every: int = DEFAULT_EVERY) -> Coordinator | None:
+def attach(watchdog: Watchdog, group: Any = None, *, every: int = DEFAULT_EVERY) -> Coordinator | None:
     """Make ``watchdog`` rank-aware and coordinate its forecast and stops with the other ranks.
 
     ``group``: an ``mx.distributed.Group``; ``None`` takes the recorded group, else
     ``mx.distributed.init()`` (which joins the launched group: call this on every rank).
     ``every``: steps between agreements. Call it on every rank at the same step count.
     Returns the :class:`Coordinator`, or ``None`` for a group of size 1."""
-    from ..core.watchdog import Watchdog
-
     if not isinstance(watchdog, Watchdog):
         raise ValueError(f"attach needs a mlx_watchdog.Watchdog, got {type(watchdog).__name__}")
     if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
@@ -194,13 +189,14 @@ def attach(watchdog: Any, group: Any = None, *, every: int = DEFAULT_EVERY) -> C
         group = _group if _group is not None else mx.distributed.init()
     if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
         raise ValueError(f"group must be an mx.distributed.Group, got {type(group).__name__}")
-    rank, size = int(group.rank()), int(group.size())
-    watchdog.rank, watchdog.world_size = rank, size
-    if size <= 1:
-        watchdog.coordinator = None
-        return None
-    coordinator = Coordinator(watchdog, group, every)
+    coordinator = _coordinator(watchdog, group, every)
     watchdog.coordinator = coordinator
+    return coordinator
+
+
+def _coordinator(watchdog: Watchdog, group: Any, every: int) -> Coordinator | None:
+    if int(group.size()) <= 1:
+        return None
     if watchdog.stop_within is not None and watchdog.stop_within < every + READ_LAG:
         logger.warning(
             "mlx-watchdog: stop_within=%s is shorter than the agreement interval (%d steps "
@@ -209,11 +205,12 @@ def attach(watchdog: Any, group: Any = None, *, every: int = DEFAULT_EVERY) -> C
             every,
             READ_LAG,
         )
-    return coordinator
+    return Coordinator(watchdog, group, every)
 
 
-def detach(watchdog: Any) -> None:
-    """Stop coordinating (do it on every rank at the same step); rank and world size stay."""
+def detach(watchdog: Watchdog) -> None:
+    """Stop coordinating (do it on every rank at the same step); the rank and world size are the
+    launcher's again."""
     watchdog.coordinator = None
 
 
@@ -274,9 +271,10 @@ def agree(rows: list[list[float]], step: int, lag: int = READ_LAG) -> Agreement:
 
 
 class Coordinator:
-    """Installed on ``watchdog.coordinator``; core calls :meth:`worst` on every observed step."""
+    """Installed on ``watchdog.coordinator`` (``core/coordination.py``); core calls :meth:`worst`
+    on every observed step."""
 
-    def __init__(self, watchdog: Any, group: Any, every: int = DEFAULT_EVERY, lag: int = READ_LAG):
+    def __init__(self, watchdog: Watchdog, group: Any, every: int = DEFAULT_EVERY, lag: int = READ_LAG):
         self.watchdog = watchdog
         self.group = group
         self.every = every
@@ -328,18 +326,17 @@ class Coordinator:
         finally:
             self.seconds += time.perf_counter() - start
 
-    def forecast(self, step: int | None = None):
+    def forecast(self, step: int | None = None) -> fc.Forecast | None:
         """The worst rank's forecast as agreed, counted down to ``step`` (default: now); fields the
         ranks do not exchange (graph nodes, cache split) are this rank's. ``None`` before the
         first agreement."""
         agreement = self.agreement
-        if agreement is None:
-            return None
+        return None if agreement is None else self._agreed(agreement, step)
+
+    def _agreed(self, agreement: Agreement, step: int | None) -> fc.Forecast:
         local = self.watchdog.forecast()
         step = local.step if step is None else step
         worst = agreement.readings[agreement.worst_rank]
-        from ..core import forecast as fc
-
         stl = agreement.steps_to_limit_at(step)
         resident = worst.resident_buffers + max(0.0, worst.buffers_per_step) * (step - agreement.step)
         return dataclasses.replace(
@@ -386,9 +383,11 @@ class Coordinator:
         self._pending = (step, gathered)
 
     def _read(self) -> None:
-        step, gathered = self._pending
-        self._pending = None
-        values = gathered.tolist()  # waits for the collective (normally done by now)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        step, gathered = pending
+        values = cast("list[float]", gathered.tolist())  # waits for the collective (normally done by now)
         width = len(_FIELDS)
         if len(values) != width * self.world_size:
             raise RuntimeError(
@@ -408,9 +407,7 @@ class Coordinator:
         self.agreement = agreement
 
     def _stop(self, step: int, agreement: Agreement) -> None:
-        from ..core.actions import ResourceLimitForecast
-
-        forecast = self.forecast(step)
+        forecast = self._agreed(agreement, step)
         # Forget what led here: a reading taken before the stop must not stop the next generation.
         self.agreement = None
         self._ignore_until = step
@@ -434,6 +431,3 @@ class Coordinator:
             f"Coordinator(rank={self.rank}, world_size={self.world_size}, every={self.every}, "
             f"rounds={self.rounds})"
         )
-
-
-install_init_hook()

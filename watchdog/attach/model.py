@@ -12,6 +12,7 @@ decorator's unit).
 from __future__ import annotations
 
 import copyreg
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import Any
 from ..core.watchdog import Watchdog
 
 _STATE = "_mlx_watchdog_state"
+_NEWOBJ = tuple(vars(copyreg)[name] for name in ("__newobj__", "__newobj_ex__"))  # pickle's constructors
 _attach_lock = threading.RLock()
 
 
@@ -32,8 +34,16 @@ class _ModelState:
         self.last_output: Any = None
         self.prefill_hooks: list[Callable] = []  # fn(watchdog, inputs, output) after a multi-token forward
         self.prefill_cache: Any = None  # the forward's cache, set only while the prefill hooks run
-        self.blocks: list = []  # open @watch calls: [watchdog, count], oldest first (threads may overlap)
+        self.blocks: list[_Block] = []  # open @watch calls, oldest first (threads may overlap)
         self.restore_to: Watchdog | None = None  # the watchdog found before the first of them
+
+
+@dataclasses.dataclass
+class _Block:
+    """The open ``Watching`` blocks of one watchdog on a model."""
+
+    watchdog: Watchdog
+    count: int = 1
 
 
 def _observed_call(self, *args, **kwargs):
@@ -80,7 +90,17 @@ def watch_model(model, watchdog: Watchdog | None = None, **options):
     """Observe every forward pass of ``model`` that is given a cache. Returns the same model
     object, still an instance of its class. ``options`` create a :class:`Watchdog` when none
     is given. Watching an already watched model swaps its watchdog."""
-    watchdog = watchdog_from(watchdog, options)
+    _watch(model, watchdog_from(watchdog, options))
+    return model
+
+
+def state_watched_by(model: Any, watchdog: Watchdog) -> _ModelState:
+    """The model's watch state; a model not watched yet is watched by ``watchdog`` first."""
+    state = watched_state(model)
+    return state if state is not None else _watch(model, watchdog)
+
+
+def _watch(model: Any, watchdog: Watchdog) -> _ModelState:
     if not callable(model):
         raise TypeError(f"watch_model needs a callable model, got {type(model).__name__}")
     with _attach_lock:
@@ -111,10 +131,9 @@ def watch_model(model, watchdog: Watchdog | None = None, **options):
                 ) from None
     if watchdog.name_is_default:
         watchdog.name = _model_name(model)
-        watchdog.name_is_default = False
-    if not watchdog._parameter_buffers:
+    if not watchdog.parameter_buffers:
         watchdog.count_parameters(model)
-    return model
+    return state
 
 
 def unwatch_model(model):
@@ -136,7 +155,7 @@ def _reduce_unwatched(self, protocol):
         reduced = self.__reduce_ex__(protocol)
     finally:
         self.__class__ = cls
-    if isinstance(reduced, tuple) and reduced and reduced[0] in (copyreg.__newobj__, copyreg.__newobj_ex__):
+    if isinstance(reduced, tuple) and reduced and reduced[0] in _NEWOBJ:
         # pickle refuses a __newobj__ whose class is not type(self) (the watching subclass);
         # the same call through a partial is not checked and still names only the original class.
         reduced = (functools.partial(reduced[0], *reduced[1]), ()) + tuple(reduced[2:])
@@ -163,16 +182,15 @@ class Watching:
             state = watched_state(self.model)
             before = state.watchdog if state is not None else None
             blocks = state.blocks if state is not None else []
-            watch_model(self.model, self.watchdog)
-            state = watched_state(self.model)
+            state = _watch(self.model, self.watchdog)
             if not blocks:
                 state.restore_to = before
-            for entry in blocks:
-                if entry[0] is self.watchdog:
-                    entry[1] += 1
+            for block in blocks:
+                if block.watchdog is self.watchdog:
+                    block.count += 1
                     break
             else:
-                blocks.append([self.watchdog, 1])
+                blocks.append(_Block(self.watchdog))
             state.blocks = blocks
         return self.model
 
@@ -181,17 +199,17 @@ class Watching:
             state = watched_state(self.model)
             if state is None:
                 return False
-            for entry in state.blocks:
-                if entry[0] is self.watchdog:
-                    entry[1] -= 1
-                    if entry[1] == 0:
-                        state.blocks.remove(entry)
+            for block in state.blocks:
+                if block.watchdog is self.watchdog:
+                    block.count -= 1
+                    if block.count == 0:
+                        state.blocks.remove(block)
                         self.watchdog.generation_ended()  # its last call returned: nothing steps
                     break
             if state.blocks:  # blocks still open: the most recent one's watchdog watches
-                watch_model(self.model, state.blocks[-1][0])
+                _watch(self.model, state.blocks[-1].watchdog)
             elif state.restore_to is None:
                 unwatch_model(self.model)
             else:
-                watch_model(self.model, state.restore_to)
+                _watch(self.model, state.restore_to)
         return False

@@ -5,11 +5,12 @@ token, *before* anyone evaluates its output. The guard walks the chunk's lazy gr
 (``graph_size`` over the output and the cache's arrays), at most once per distinct chunk length:
 the first chunk and any chunk longer than all walked so far; shorter lengths are predicted, and
 walked only while the limit is near (to refine the fit). It fits graph nodes and evaluated
-input buffers per token (least squares over the walked lengths) and records on the watchdog:
+input buffers per token (least squares over the walked lengths). Installed on the watchdog
+(``install``), it gives the watchdog's forecast two readings:
 
-* ``prefill_graph_nodes``: pending nodes of the last measured chunk;
-* ``max_safe_prefill_tokens``: the largest chunk whose predicted buffers stay under
-  ``safety * limit - resident``.
+* ``prefill_graph_nodes`` (the guard's ``graph_nodes``): pending nodes of the last measured chunk;
+* ``max_safe_prefill_tokens`` (its ``safe_tokens``): the largest chunk whose predicted buffers
+  stay under ``safety * limit - resident``.
 
 What is compared with the limit (an estimate; README.md, section "Prefill guard: the largest
 prefill chunk that stays under the limit", says how sure it is): the buffers one chunk's
@@ -48,7 +49,7 @@ from ..core.chunks import (
 )
 from ..core.limits import resolve_limit
 from ..core.watchdog import Watchdog
-from .model import watch_model, watched_state
+from .model import state_watched_by, watched_state
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -115,9 +116,8 @@ class PrefillGuard:
 
     Two kinds of points: *live* chunks (what the program runs, walked once per length) and
     *calibration* chunks (built on a fresh ``make_prompt_cache`` cache, never evaluated). The
-    two may lie on different lines: mlx-lm's batched caches add ops per token (measured: a
-    tiny qwen3_next in ``BatchGenerator`` has about 25% more nodes per token than with a plain
-    cache). So calibration points only fill in until two live lengths are known.
+    two may lie on different lines: mlx-lm's batched caches add ops per token. So calibration
+    points only fill in until two live lengths are known.
 
     Args:
         watchdog: the model's watchdog (its ``limit``, ``stop_within`` and forecast).
@@ -155,7 +155,8 @@ class PrefillGuard:
         self._reported: int | None = None
         self._state: Any = None  # the watched model's state, whose prefill_cache the hook reads
         self._model: weakref.ref | None = None  # for a calibration point (see _check)
-        self.safe_tokens: int | None = None
+        self.safe_tokens: int | None = None  # the largest chunk predicted to fit (see _assess)
+        self.graph_nodes: int | None = None  # pending nodes of the last chunk measured
         self.chunks = 0  # live prefill chunks seen
         self.walks = 0  # graph walks, live and calibration
         self.walk_seconds = 0.0
@@ -211,7 +212,7 @@ class PrefillGuard:
             self.walks += 1
             self.walk_seconds += measurement.seconds
             if measurement.live or not self._live:
-                self.watchdog.prefill_graph_nodes = measurement.nodes
+                self.graph_nodes = measurement.nodes
 
     def calibrate(self, model: Any, lengths: Sequence[int] = (32, 64, 128)) -> int | None:
         """Measure chunks of ``lengths`` on a fresh cache (built, never evaluated), so the safe
@@ -242,7 +243,7 @@ class PrefillGuard:
             return not (flat or (fits is not None and fits[0].r2 >= TRUST_R2))
 
     def _assess(self, tokens: int | None) -> tuple[int | None, float | None]:
-        """(safe chunk size, predicted buffers of a chunk of ``tokens``); sets the watchdog's reading."""
+        """(safe chunk size, predicted buffers of a chunk of ``tokens``); keeps the safe size."""
         fits = self._fits
         if fits is None:
             return None, None
@@ -250,7 +251,6 @@ class PrefillGuard:
         budget = self.safety * self.watchdog.limit - resident
         safe = largest_safe_chunk(fits[0], fits[1], budget, self.ceiling)
         self.safe_tokens = safe
-        self.watchdog.max_safe_prefill_tokens = safe
         return safe, (self.predicted_buffers(tokens) if tokens is not None else None)
 
     def _over_budget(self, measurement: Measurement) -> bool:
@@ -288,7 +288,7 @@ class PrefillGuard:
             self._internal_error("prefill guard", exc)
             verdict = None
         finally:
-            self.watchdog.overhead_seconds += time.perf_counter() - start
+            self.watchdog.record_overhead(time.perf_counter() - start)
         if verdict is not None:
             raise verdict
 
@@ -350,7 +350,7 @@ class PrefillGuard:
     def _internal_error(self, where: str, exc: BaseException) -> None:
         with self._lock:
             self.internal_errors += 1
-        self.watchdog._internal_error(where, exc)
+        self.watchdog.record_internal_error(where, exc)
 
     def remove(self) -> None:
         """Stop guarding: take the hook off the model it was installed on."""
@@ -378,20 +378,19 @@ def install(
     calibrate: Sequence[int] = (),
 ) -> PrefillGuard:
     """Guard ``model``'s prefill chunks with ``watchdog`` (the model is watched first when it is
-    not). A guard installed earlier on the same model is replaced. ``calibrate``: chunk lengths
-    to measure now on a fresh cache (never evaluated), so ``on_safe_size`` hears the safe size
-    before the first request."""
+    not), and install the guard on the watchdog (``watchdog.prefill_guard``: its forecast reads
+    the guard's measurements). A guard installed earlier on the same model is replaced.
+    ``calibrate``: chunk lengths to measure now on a fresh cache (never evaluated), so
+    ``on_safe_size`` hears the safe size before the first request."""
     guard = PrefillGuard(watchdog, safety, on_safe_size)
-    state = watched_state(model)
-    if state is None:
-        watch_model(model, watchdog)
-        state = watched_state(model)
+    state = state_watched_by(model, watchdog)
     state.prefill_hooks[:] = [
         h for h in state.prefill_hooks if not isinstance(getattr(h, "__self__", None), PrefillGuard)
     ]
     guard._state = state
     guard._model = weakref.ref(model)
     state.prefill_hooks.append(guard.hook)
+    watchdog.prefill_guard = guard
     if calibrate:
         guard.calibrate(model, calibrate)
     return guard
@@ -430,8 +429,9 @@ def safe_prefill_report(
     safety = _check_safety(safety)
     limit = resolve_limit(limit)
     if resident_buffers is None:
-        params = model.parameters() if hasattr(model, "parameters") else {}
-        resident_buffers = len({id(a) for _, a in tree_flatten(params) if isinstance(a, mx.array)})
+        flat: list[tuple[str, Any]] = []
+        tree_flatten(model.parameters() if hasattr(model, "parameters") else {}, destination=flat)
+        resident_buffers = len({id(a) for _, a in flat if isinstance(a, mx.array)})
     elif isinstance(resident_buffers, bool) or not isinstance(resident_buffers, int) or resident_buffers < 0:
         raise ValueError(f"resident_buffers must be an int >= 0, got {resident_buffers!r}")
     measured: list[Measurement] = []

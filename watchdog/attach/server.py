@@ -40,6 +40,7 @@ import mlx.core as mx
 
 from ..core.actions import ResourceLimitForecast
 from ..core.watchdog import Watchdog
+from . import distributed, prefill
 from .model import unwatch_model, watch_model, watched_state
 
 logger = logging.getLogger("mlx_watchdog")
@@ -122,8 +123,10 @@ class ServerHooks:
     """Attach the watchdog to ``mlx_lm.server`` (see the module docstring) and detach it again.
 
     ``options`` are the ``Watchdog`` keyword options every loaded model's watchdog gets. Use as a
-    context manager, or ``attach()`` / ``detach()``; detaching restores the exact original
-    functions, unwatches the models still alive and stops exporting their watchdogs."""
+    context manager, or ``attach()`` / ``detach()``. Attaching also instruments
+    ``mx.distributed`` (``distributed.instrument()``: a server launched on several ranks stops
+    them together); detaching restores the exact original functions, unwatches the models still
+    alive and stops exporting their watchdogs."""
 
     def __init__(
         self, options: dict | None = None, *, adapt_prefill: bool = False, server_module: Any = None
@@ -149,8 +152,8 @@ class ServerHooks:
         self._originals: dict[tuple[str, str], Callable] = {}
         self._watched: list[tuple[weakref.ref, Watchdog]] = []
         self._channels: dict[int, list[_Channel]] = {}  # id(ResponseGenerator) -> its requests
-        self._prefill_unavailable_logged = False
         self._user_prefill_step: dict[int, int] = {}
+        self._instrumented = False  # this attach instrumented mx.distributed (detach undoes it)
 
     # ------------------------------------------------------------------ attach / detach
 
@@ -172,6 +175,8 @@ class ServerHooks:
                 original = cls.__dict__[method]
                 self._originals[(cls_name, method)] = original
                 setattr(cls, method, wrap(original))
+            # A server launched on several ranks (mlx.launch): their watchdogs stop together.
+            self._instrumented = distributed.instrument()
         return self
 
     def detach(self) -> None:
@@ -179,6 +184,9 @@ class ServerHooks:
             originals, self._originals = self._originals, {}
             for (cls_name, method), original in originals.items():
                 setattr(getattr(self.server, cls_name), method, original)
+            if self._instrumented:
+                self._instrumented = False
+                distributed.uninstrument()
             watched, self._watched = self._watched, []
             self._channels.clear()
         for ref, watchdog in watched:
@@ -246,8 +254,8 @@ class ServerHooks:
                         # mlx-lm's loop again: the model is loaded already, the next request gets a new batch.
             finally:
                 # The streams MLX made for this thread outlive it otherwise, and their destruction
-                # at interpreter exit aborts the process (`terminate called without an active
-                # exception`, exit 134: 6 of 15 SIGTERMs after a request, 0 of 15 with this).
+                # at interpreter exit can abort the process (`terminate called without an active
+                # exception`).
                 _clear_thread_streams()
 
         return _generate
@@ -272,7 +280,8 @@ class ServerHooks:
 
     def _retire_models(self, models: list) -> None:
         with self._lock:
-            keep, gone = [], []
+            keep: list[tuple[weakref.ref, Watchdog]] = []
+            gone: list[tuple[weakref.ref, Watchdog]] = []
             for ref, wd in self._watched:
                 model = ref()
                 (gone if model is None or any(model is m for m in models) else keep).append((ref, wd))
@@ -283,47 +292,17 @@ class ServerHooks:
     @staticmethod
     def _retire(model: Any, watchdog: Watchdog) -> None:
         watchdog.export = False  # its series leave /metrics: the model is gone
-        if (
-            model is not None
-            and watched_state(model) is not None
-            and watched_state(model).watchdog is watchdog
-        ):
+        state = watched_state(model) if model is not None else None
+        if state is not None and state.watchdog is watchdog:
             unwatch_model(model)
 
     def _install_prefill(self, watchdog: Watchdog, model: Any, provider: Any) -> None:
-        try:
-            prefill = importlib.import_module(f"{__package__}.prefill")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.prefill":
-                raise
-            prefill = None
-        install = getattr(prefill, "install", None)
-        if not callable(install):
-            if not self._prefill_unavailable_logged:
-                self._prefill_unavailable_logged = True
-                logger.warning(
-                    "mlx-watchdog: --adapt-prefill: mlx_watchdog.prefill.install is not "
-                    "available in this version; prefill chunks are not adapted"
-                )
-            return
+        # The guard lowers the provider's cli_args.prefill_step_size, never above what the user
+        # gave for this provider (a model loaded later must not start from a lowered size).
         cli_args = provider.cli_args
         user_step = self._user_prefill_step.setdefault(id(provider), int(cli_args.prefill_step_size))
-
-        def on_safe_size(tokens) -> None:
-            # mlx-lm reads cli_args.prefill_step_size when it makes a batch generator or serves
-            # a request alone: later batches use the new size.
-            size = max(1, min(user_step, int(tokens)))
-            if size != cli_args.prefill_step_size:
-                logger.info(
-                    "mlx-watchdog: prefill step size %d -> %d tokens (safe size %s)",
-                    cli_args.prefill_step_size,
-                    size,
-                    tokens,
-                )
-                cli_args.prefill_step_size = size
-
         try:
-            install(watchdog, model, on_safe_size)
+            prefill.install(watchdog, model, ServerPrefillAdapter(cli_args, user_step))
         except Exception as exc:  # the server runs on without it
             logger.warning("mlx-watchdog: --adapt-prefill could not be installed: %r", exc)
 
@@ -441,7 +420,7 @@ class ServerPrefillAdapter:
     def attach(self, server_module: Any = None) -> ServerPrefillAdapter:
         if server_module is None:
             import mlx_lm.server as server_module
-        original = getattr(server_module, "BatchGenerator", None)
+        original: Any = getattr(server_module, "BatchGenerator", None)
         if not isinstance(original, type):
             raise ValueError(f"{server_module!r} has no BatchGenerator class to track")
         adapter = self

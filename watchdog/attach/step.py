@@ -25,5 +25,5 @@ def watch_step(fn: Callable, cache: Any, watchdog: Watchdog | None = None, **opt
         last[0] = result
         return result
 
-    step.watchdog = watchdog
+    step.__dict__["watchdog"] = watchdog
     return step

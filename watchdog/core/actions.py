@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from typing import Any
 
 from . import forecast as fc
+
+logger = logging.getLogger("mlx_watchdog")
 
 WARN_INTERVAL_SECONDS = 60.0
 
@@ -13,6 +17,12 @@ WARN_INTERVAL_SECONDS = 60.0
 class ResourceLimitForecast(RuntimeError):
     """Raised from an observed step when the forecast puts the buffer limit within ``stop_within``
     steps: the generation ends cleanly while the process and the device are still healthy."""
+
+    # Set by the stop that raised it: a distributed stop (the ranks' agreement) or a prefill one.
+    agreement: Any = None
+    chunk_tokens: int | None = None
+    predicted_buffers: float | None = None
+    safe_prefill_tokens: int | None = None
 
     def __init__(self, forecast: fc.Forecast, reason: str = "forecast"):
         self.forecast = forecast
@@ -25,10 +35,16 @@ class ResourceLimitForecast(RuntimeError):
 
 
 class Warnings:
-    """At most one resource-limit warning a minute."""
+    """The resource-limit warning at most once a minute; the others once per watchdog."""
 
     def __init__(self) -> None:
         self._last = -math.inf
+        self._said: set[str] = set()
+
+    def once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.warning(message, *args)
 
     def due(self) -> bool:
         now = time.monotonic()

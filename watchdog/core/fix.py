@@ -6,12 +6,13 @@ device work runs later, and the program waits on nothing it did not wait on befo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 
-from .arrays import find_arrays, resolve, scan
+from .arrays import Found, find_arrays, resolve, scan
 from .graph import is_evaluated
 
 PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
@@ -78,26 +79,35 @@ def resolvable(steps: tuple) -> bool:
     return all(kind != "set" for kind, _ in steps)
 
 
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """A fix-mode probe: the fix waits from ``start`` to ``end``; the walk at ``end`` reads what
+    each site gained over ``buffers_by_site`` (the growth the fix cuts)."""
+
+    start: int
+    buffers_by_site: dict[str, float]
+    end: int
+
+
 class Fixer:
     """When the fix runs and what it schedules.
 
     In fix mode a walk starts a probe: the fix waits 1-3 steps, a second walk sees what those
     steps add to each site (the growth the fix cuts), then the fix runs every ``every`` steps.
     The probe's length varies so that its steps do not keep the phase of a chain the program
-    drains every few steps (seen: probes of one step every other step never saw the drain)."""
+    drains every few steps."""
 
-    def __init__(self, every: int, max_objects: int, max_depth: int) -> None:
+    def __init__(self, every: int) -> None:
         self.every = every
-        self.max_objects, self.max_depth = max_objects, max_depth
         self.fixes = 0
         self.probes = 0
         self.series_probes = 0  # probes since the series began
         self.walks_unprobed = 0  # walks since the last probe
-        self.probe: tuple | None = None  # (step, buffers by site, step it ends)
+        self.probe: Probe | None = None
         self.last_step = 0
         self.fixed_once = False
-        self.paths: list[tuple] | None = None  # every array's access steps, from the last walk
-        self.pending_paths: list[tuple] | None = None  # (site, steps) of its pending arrays
+        self._paths: list[tuple] | None = None  # every array's access steps, from the last walk
+        self._pending_paths: list[tuple] | None = None  # (site, steps) of its pending arrays
 
     def reset(self, step: int) -> None:
         self.probe = None
@@ -105,39 +115,63 @@ class Fixer:
         self.fixed_once = False
         self.series_probes = self.walks_unprobed = 0
 
+    def ran(self, step: int) -> bool:
+        """A fix ran at ``step``; returns whether it was the series' first."""
+        self.last_step = step
+        first, self.fixed_once = not self.fixed_once, True
+        return first
+
+    def remember_paths(self, found: Sequence[Found], pending: Sequence[Found]) -> None:
+        """The paths of a walk of the roots (root 0): where the fix re-reads between walks."""
+        self._paths = [f.steps for f in found if f.root == 0 and resolvable(f.steps)]
+        self._pending_paths = [(f.site, f.steps) for f in pending if resolvable(f.steps)]
+
+    def forget_paths(self) -> None:
+        """Other roots: the paths of the last walk lead elsewhere now."""
+        self._paths = self._pending_paths = None
+
     def wants_probe(self) -> bool:
         """Should the walk just taken start a probe?"""
         self.walks_unprobed += 1
         return self.series_probes < PROBES_FIRST or self.walks_unprobed >= PROBE_EVERY
 
-    def start_probe(self, step: int, buffers_by_site: dict) -> None:
+    def start_probe(self, step: int, buffers_by_site: dict[str, float]) -> None:
         self.probes += 1
         self.series_probes += 1
         self.walks_unprobed = 0
-        self.probe = (step, buffers_by_site, step + PROBE_STEPS[self.probes % len(PROBE_STEPS)])
+        self.probe = Probe(step, buffers_by_site, step + PROBE_STEPS[self.probes % len(PROBE_STEPS)])
 
-    def end_probe(self, step: int) -> tuple | None:
+    def end_probe(self, step: int) -> Probe | None:
         """The probe that ends at ``step``, if one does."""
-        if self.probe is not None and step >= self.probe[2]:
+        if self.probe is not None and step >= self.probe.end:
             probe, self.probe = self.probe, None
             return probe
         return None
+
+    def cancel_probe(self) -> None:
+        self.probe = None
 
     def due(self, step: int, last_output: Any) -> bool:
         return self.probe is None and step - self.last_step >= self.every and evaluated_output(last_output)
 
     def pending(
-        self, roots: Any, walked_pending: list | None, growing: set | None, sweep: bool = False
+        self,
+        roots: Any,
+        walked_pending: list | None,
+        growing: set | None,
+        sweep: bool,
+        max_objects: int,
+        max_depth: int,
     ) -> list[mx.array]:
         """The arrays to schedule now.
 
         Once the probes have measured the sites, those of the sites that grow: a pending array
         that does not grow (a counter the next forward evaluates, rows the model drains itself) is
-        work the program does anyway, and evaluating it early costs ~10 us an array on a GPU.
-        Between walks it re-reads only the paths the last walk saw pending and schedules them
-        unchecked: telling a pending array costs ~5 us (MLX raises), scheduling an evaluated one
-        ~0.1 us. Every FULL_SWEEP_FIXES-th fix sweeps every path and every pending array, so a site
-        that starts leaking after the last walk is cut within that many fixes."""
+        work the program does anyway, and evaluating it early costs device time. Between walks it
+        re-reads only the paths the last walk saw pending and schedules them unchecked: telling a
+        pending array costs more than scheduling an evaluated one. Every FULL_SWEEP_FIXES-th fix
+        sweeps every path and every pending array, so a site that starts leaking after the last
+        walk is cut within that many fixes."""
         self.fixes += 1
         sweep = sweep or self.fixes % FULL_SWEEP_FIXES == 0
 
@@ -146,17 +180,16 @@ class Fixer:
 
         if walked_pending is not None and not sweep:
             return [a for site, a in walked_pending if wanted(site)]
-        if self.pending_paths is not None and not sweep:
-            return self.resolve(roots, [steps for site, steps in self.pending_paths if wanted(site)])
-        return [a for a in self.resolve(roots) if not is_evaluated(a)]
+        if self._pending_paths is not None and not sweep:
+            return self._resolve(roots, [steps for site, steps in self._pending_paths if wanted(site)])
+        if self._paths is None:
+            result = scan(roots, max_objects=max_objects, max_depth=max_depth)
+            self._paths = [f.steps for f in result.found if resolvable(f.steps)]
+        return [a for a in self._resolve(roots, self._paths) if not is_evaluated(a)]
 
-    def resolve(self, roots: Any, paths: list[tuple] | None = None) -> list[mx.array]:
-        """The arrays at the paths found by the last walk, re-read without a walk."""
-        if paths is None:
-            if self.paths is None:
-                result = scan(roots, max_objects=self.max_objects, max_depth=self.max_depth)
-                self.paths = [f.steps for f in result.found if resolvable(f.steps)]
-            paths = self.paths
+    @staticmethod
+    def _resolve(roots: Any, paths: list[tuple]) -> list[mx.array]:
+        """The arrays at ``paths``, re-read without a walk."""
         arrays = []
         for steps in paths:
             try:

@@ -9,25 +9,43 @@ mode, short probes (the fix waits 1-3 steps) measure what the fix cuts at each s
 from __future__ import annotations
 
 import collections
+import dataclasses
 import statistics
+from typing import TYPE_CHECKING
 
 from . import forecast as fc
+
+if TYPE_CHECKING:
+    from .fix import Probe
 
 SAMPLE_WINDOW = 64  # readings kept for the growth-rate fit
 PROBE_WINDOW = 16  # fix-mode probes kept per site
 LEAK_THRESHOLD = 1e-3  # buffers/step below which a site is not reported as leaking
 
 
+@dataclasses.dataclass(slots=True)
+class SiteTally:
+    """One site's arrays in one reading."""
+
+    held: int = 0  # evaluated arrays: a buffer each
+    retained: float = 0.0  # buffers the graphs of its pending arrays keep alive
+    paths: list[str] = dataclasses.field(default_factory=list)  # some of those pending arrays
+    arrays: int = 0
+
+
 class SiteSeries:
     """Measurements of one site across readings."""
 
     def __init__(self) -> None:
-        self.total = collections.deque(maxlen=SAMPLE_WINDOW)  # (step, held + retained, epoch)
+        self.total: collections.deque[tuple[int, float, int]] = collections.deque(
+            maxlen=SAMPLE_WINDOW
+        )  # (step, held + retained, epoch)
         # (step, arrays at the site, evaluated or not, epoch): more buffers held in evaluated arrays
         # can only come from more arrays, while a lazy chain grows behind a fixed number of them.
         # So its slope is the part of a site's growth the fix cannot cut.
-        self.arrays = collections.deque(maxlen=SAMPLE_WINDOW)
-        self.growth = collections.deque(maxlen=PROBE_WINDOW)  # buffers/step seen by fix-mode probes (signed)
+        self.arrays: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=SAMPLE_WINDOW)
+        # buffers/step seen by fix-mode probes (signed)
+        self.growth: collections.deque[float] = collections.deque(maxlen=PROBE_WINDOW)
         self.paths: tuple[str, ...] = ()
         self.buffers = 0.0
         self.retained = 0.0
@@ -58,24 +76,23 @@ class Growth:
         self.growing: set[str] | None = None  # sites the probes saw grow; None: not probed yet
 
     def record(
-        self, step: int, epoch: int, sites: dict, sample: float | None, probe_start: tuple | None
+        self, step: int, epoch: int, sites: dict[str, SiteTally], sample: float | None, probe: Probe | None
     ) -> None:
-        """One reading. ``sites``: site -> (held, retained, paths, arrays). ``sample``: the buffers
-        to fit the rate on (None: no sample, e.g. an empty cache). ``probe_start``: the reading
-        that began a fix-mode probe, whose growth per site this one ends."""
-        for site, (held, retained, paths, arrays) in sites.items():
+        """One reading. ``sample``: the buffers to fit the rate on (None: no sample, e.g. an empty
+        cache). ``probe``: the fix-mode probe this reading ends (its growth per site)."""
+        for site, tally in sites.items():
             series = self.sites.get(site) or self.sites.setdefault(site, SiteSeries())
-            series.arrays.append((step, arrays, epoch))
-            if probe_start is not None:
-                start_step, start_buffers, _ = probe_start
-                before = start_buffers.get(site, 0)
-                series.growth.append((held + retained - before) / max(1, step - start_step))
+            buffers = tally.held + tally.retained
+            series.arrays.append((step, tally.arrays, epoch))
+            if probe is not None:
+                before = probe.buffers_by_site.get(site, 0)
+                series.growth.append((buffers - before) / max(1, step - probe.start))
             else:
-                series.total.append((step, held + retained, epoch))
-            series.buffers, series.retained = held + retained, retained
-            if paths:
-                series.paths = tuple(paths)
-        if probe_start is None and sample is not None:
+                series.total.append((step, buffers, epoch))
+            series.buffers, series.retained = buffers, tally.retained
+            if tally.paths:
+                series.paths = tuple(tally.paths)
+        if probe is None and sample is not None:
             self.samples.append((step, sample, epoch))
             rate = fc.epoch_slope(self.samples)
             if rate is not None:

@@ -19,12 +19,11 @@ import math
 DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into an epoch that are walked
 # Walks of a new decode taken even when the budget is spent: one for its level, two 16 steps apart
 # for its rate. The first step's reading is no point of the growth: what the prompt's last forward
-# left pending is still there then (in mlx-lm's server, readings one step apart from there read
-# 8/step instead of 5, and 0/16/32 read 3.7-4.3).
+# left pending is still there then, and a slope from it reads high.
 OWED_OFFSETS = (0, 16, 32)  # the first reads the new level only: it is no point of the growth
 # Budget granted up front (a floor, not added): a young watchdog must read the first requests of a
-# server as they come (0.05 s was spent by ~15 walks of a leaking batch in its first 2 s, and left it
-# blind to the next requests' changes). Past 25 s of decode the 1% holds.
+# server as they come, not spend its first seconds' budget on one batch and miss the next changes.
+# Past 25 s of decode the 1% holds.
 WALK_CREDIT_SECONDS = 0.25
 AUTO_WALK_INTERVAL = 0.5  # seconds of decode between walks after the dense ones (walk_interval=None)...
 AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of decode time
@@ -42,7 +41,7 @@ class Schedule:
         self._owed = len(OWED_OFFSETS)  # index into OWED_OFFSETS of the next walk owed whatever the budget
         self._continuing = False  # the epoch's caches partly go on from the last one
         # Below both, no walk is wanted and due() is False: observe() skips the call (it runs on
-        # every step, after the forward has left the CPU's caches cold; see core._observe).
+        # every step, after the forward has left the CPU's caches cold; see Watchdog._observe).
         # wake_decode is the decode time of the last walk plus the gap to the next.
         self.wake_step: float = 0
         self.wake_decode = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
@@ -66,8 +65,8 @@ class Schedule:
             self._epoch_start = step - DENSE_OFFSETS[-1]
         else:
             # A server whose budget earlier requests spent would otherwise be blind to a new
-            # decode for hundreds of steps (measured: 200). Its first walks are cheap (its chains
-            # are new), and there are three per decode.
+            # decode for hundreds of steps. Its first walks are cheap (its chains are new), and
+            # there are three per decode.
             self._owed = 0
         self._arm()
 
@@ -94,6 +93,15 @@ class Schedule:
         allowed = max(self.overhead_budget * self.decode_seconds, WALK_CREDIT_SECONDS)
         return self.spent + self.last_cost <= overdraft * allowed
 
+    def charge(self, seconds: float) -> None:
+        """The watchdog's own seconds, against the budget. (``observe`` inlines this: every step.)"""
+        self.spent += seconds
+
+    def refund(self, seconds: float) -> None:
+        """Seconds charged that were not the watchdog's to pay (the program's deferred work, the
+        fix the user asked for)."""
+        self.spent -= seconds
+
     def first_of_decode(self, step: int) -> bool:
         """Is ``step`` the first of a new decode? Its reading is a level, not a point of the growth:
         what the prompt's last forward left pending is still there then."""
@@ -101,8 +109,7 @@ class Schedule:
 
     def walked(self, step: int, cost: float, cpu_cost: float | None = None) -> None:
         """A walk at ``step`` took ``cost`` seconds (wall: what the decode lost) and ``cpu_cost``
-        of CPU (its work: a walk that waited for a core must not space the next ones out; beside
-        two busy processes one walk's wall time was up to 3.9x its CPU time)."""
+        of CPU (its work: a walk that waited for a core must not space the next ones out)."""
         self.last_cost = cost
         offset = step - self._epoch_start
         while self._owed < len(OWED_OFFSETS) and OWED_OFFSETS[self._owed] <= offset:

@@ -10,6 +10,10 @@ When it reads is ``schedule.py``'s: densely as each set of caches starts, then b
 within a lifetime budget. How much of the graph one reading walks is ``sampling.py``'s: all of it,
 or a sample of each site's pending chains when walking all would stall the decode. Between
 readings the forecast extrapolates.
+
+Two things may be attached to a watchdog, and its forecast asks them for their readings: a
+coordinator (``coordinator``: the ranks of a distributed job, ``coordination.py``) and a prefill
+guard (``prefill_guard``). Core defines what it asks of them; ``mlx_watchdog.attach`` provides them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -33,8 +37,9 @@ from .actions import ResourceLimitForecast, Warnings, remedy
 from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .attribution import Attribution
 from .caches import Scope, member_of
-from .fix import Fixer, evaluated_output, resolvable, schedule_evaluation
-from .growth import SAMPLE_WINDOW, Growth
+from .coordination import Coordinator, launched, new_coordinator
+from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
+from .growth import SAMPLE_WINDOW, Growth, SiteTally
 from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
 from .objects import type_name
 from .options import (
@@ -48,11 +53,6 @@ from .options import (
 from .sampling import Sampler, warm_up
 from .schedule import Schedule
 
-try:  # records mx.distributed.init() from here on, so watchdogs learn their rank (distributed.py)
-    from ..attach import distributed as _distributed
-except Exception:  # an MLX without mx.distributed: watchdogs stay single-process
-    _distributed = None
-
 logger = logging.getLogger("mlx_watchdog")
 
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
@@ -63,10 +63,38 @@ _live: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 
-def live_watchdogs() -> list[Watchdog]:
-    """Every live watchdog created with ``export=True`` (what exporters publish by default)."""
+def live_watchdogs(*, unexported: bool = False) -> list[Watchdog]:
+    """Every live watchdog created with ``export=True`` (what exporters publish by default);
+    ``unexported=True``: every live watchdog."""
     with _live_lock:
-        return [wd for wd in list(_live) if wd.export]
+        return [wd for wd in list(_live) if unexported or wd.export]
+
+
+@runtime_checkable
+class PrefillReadings(Protocol):
+    """What ``forecast()`` reads from the prefill guard installed on the watchdog
+    (``mlx_watchdog.attach.prefill``); ``None`` until measured."""
+
+    @property
+    def graph_nodes(self) -> int | None:
+        """Pending graph nodes of the last prefill chunk measured."""
+        ...
+
+    @property
+    def safe_tokens(self) -> int | None:
+        """The largest prefill chunk predicted to stay within the limit."""
+        ...
+
+
+@dataclasses.dataclass(slots=True)
+class _CacheTally:
+    """A followed cache's buffers in one reading. When the cache dies they go with it, before the
+    next reading sees it (a request ended between two scrapes), and so does its share of the
+    growth (chains grow, evaluated arrays do not)."""
+
+    ref: weakref.ref | None  # the cache, while the scope follows it
+    buffers: float = 0.0  # evaluated arrays, and the buffers their pending graphs retain
+    retained: float = 0.0  # of which retained by pending graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +105,17 @@ class _LastReading:
     retained: int = 0
     pending_nodes: int = 0
     sampled: bool = False
-    # (weak reference to a cache, the buffers it held, of which in pending chains): when a cache
-    # dies its buffers go with it, before the next reading sees it (a request ended between two
-    # scrapes), and so does its share of the growth (chains grow, evaluated arrays do not).
-    by_member: tuple = ()
+    by_cache: tuple[_CacheTally, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gone:
+    """What the caches dead since a reading took with them; recounted when the scope changes."""
+
+    reading: _LastReading | None = None
+    version: int = -1  # the scope's version it was counted at
+    buffers: float = 0.0  # the dead caches' buffers
+    alive_share: float = 1.0  # the share of the growth that goes on in the live caches
 
 
 class Watchdog:
@@ -137,8 +172,7 @@ class Watchdog:
         walk_interval = checked_walk_interval(walk_interval)
         if on_forecast is not None and not callable(on_forecast):
             raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
-        self.name = name or "default"
-        self.name_is_default = name is None
+        self._name = name  # None: "default", until an attachment names it after its model
         self.fix = fix
         self.warn_within = warn_within
         self.stop_within = stop_within
@@ -151,47 +185,38 @@ class Watchdog:
         self.steps = 0
         self.overhead_seconds = 0.0
         self.materialized_arrays = 0
-        self.fix_failures = (
-            0  # pending arrays the fix could not schedule (made on another thread's stream...)
-        )
+        # Pending arrays the fix could not schedule (made on another thread's stream...).
+        self.fix_failures = 0
         self.reclaimed_buffers = 0.0
         self.internal_errors = 0
         self.walks = 0
         self.stops: collections.Counter[str] = collections.Counter()
 
-        # Distributed and prefill readings are filled in by their own modules.
-        self.rank = 0
-        self.world_size = 1
-        self.coordinator = None  # object with .worst(step, steps_to_limit) -> steps_to_limit
-        self.prefill_graph_nodes: int | None = None
-        self.max_safe_prefill_tokens: int | None = None
+        # What is attached to it: forecast() asks them for their readings.
+        self._coordinator: Coordinator | None = None
+        self._prefill_guard: PrefillReadings | None = None
 
         self._lock = threading.RLock()
         self._parameter_buffers = 0
         self._last_observe = math.inf  # the first step's gap is no decode time
         self._ended = False  # the attachment said the generation ended
         self._stepping_thread: int | None = None
-        self._idle_after = IDLE_SECONDS
-        self._step_times: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
+        self._step_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=SAMPLE_WINDOW)
+        self._pace_before_pause = 0.0  # seconds per step before the last pause (_seconds_per_step)
         self._scope = Scope()
-        self._schedule = Schedule(overhead_budget, walk_interval)  # holds overhead_budget, walk_interval
+        self._schedule = Schedule(overhead_budget, walk_interval)
         self._sampler = Sampler()
         self._epoch = 0
         self._epoch_version = -1
-        self._epoch_members: tuple = ()  # weak references to the caches of the current epoch
-        self._root_ids: tuple | None = None  # identity of the last roots: skips the scope on the same caches
+        self._epoch_members: tuple[weakref.ref, ...] = ()  # the caches of the current epoch
+        # Identity of the last roots: the same caches skip the scope.
+        self._root_ids: tuple[int, ...] | None = None
         self._anchor_ref: weakref.ref | None = None  # their first cache: dead, the ids may be reused
-        self._fixer = Fixer(fix_every, max_objects, max_depth)
+        self._fixer = Fixer(fix_every)
         self._warnings = Warnings()
-        self._warned: set[str] = set()
         self._last = _LastReading()  # between readings the forecast extrapolates from it
         self._attribution = Attribution()  # the source line of each leak site, probed once
-        self._gone: tuple = (
-            None,
-            -1,
-            0.0,
-            1.0,
-        )  # (reading, scope version, its dead caches' buffers, share alive)
+        self._gone = _Gone()
         self._empty_walks = 0
         self._reset_series()
         if model is not None:
@@ -199,13 +224,31 @@ class Watchdog:
         try:  # one-off costs (the walker thread, MLX's first export, numpy's median) are paid now
             warm_up()
         except Exception as exc:
-            self._internal_error("warm_up", exc)
+            self.record_internal_error("warm_up", exc)
         with _live_lock:
             _live.add(self)
-        if _distributed is not None:  # never raises; joins only a group the program initialized
-            _distributed.auto_attach(self)
+        try:  # an instrumented distributed job gives it a coordinator (coordination.py)
+            coordinator = new_coordinator(self)
+            if coordinator is not None:
+                self.coordinator = coordinator
+        except Exception as exc:
+            self.record_internal_error("coordinator", exc)
 
     # ----------------------------------------------------------------- public API
+
+    @property
+    def name(self) -> str:
+        """The ``watchdog`` label of its metrics."""
+        return self._name or "default"
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = checked_name(value)
+
+    @property
+    def name_is_default(self) -> bool:
+        """No name was given: an attachment names it after its model."""
+        return self._name is None
 
     @property
     def overhead_budget(self) -> float:
@@ -231,16 +274,56 @@ class Watchdog:
     def walk_interval(self, value: float | None) -> None:
         self._schedule.walk_interval = checked_walk_interval(value)
 
+    @property
+    def coordinator(self) -> Coordinator | None:
+        """The hook of a distributed job (``coordination.py``): asked at every step for the group's
+        steps to the limit, and by ``forecast()`` for the rank and world size."""
+        return self._coordinator
+
+    @coordinator.setter
+    def coordinator(self, value: Coordinator | None) -> None:
+        if value is not None and not isinstance(value, Coordinator):
+            raise ValueError(f"coordinator must have rank, world_size and worst(), got {value!r}")
+        self._coordinator = value
+
+    @property
+    def prefill_guard(self) -> PrefillReadings | None:
+        """The prefill guard installed on this watchdog: ``forecast()`` reads its measurements."""
+        return self._prefill_guard
+
+    @prefill_guard.setter
+    def prefill_guard(self, value: PrefillReadings | None) -> None:
+        if value is not None and not isinstance(value, PrefillReadings):
+            raise ValueError(f"prefill_guard must have graph_nodes and safe_tokens, got {value!r}")
+        self._prefill_guard = value
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: its coordinator's, else the launcher's (0 when not launched)."""
+        return self._ranks()[0]
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: its coordinator's, else the launcher's (1 when not launched)."""
+        return self._ranks()[1]
+
+    @property
+    def parameter_buffers(self) -> int:
+        """The model's parameter arrays, counted once (``count_parameters``)."""
+        return self._parameter_buffers
+
     def count_parameters(self, model: Any) -> int:
         """Count the model's parameter arrays (once) as resident buffers."""
         try:
             params = model.parameters() if hasattr(model, "parameters") else model
-            arrays = {id(a): a for _, a in tree_flatten(params) if isinstance(a, mx.array)}
+            flat: list[tuple[str, Any]] = []
+            tree_flatten(params, destination=flat)
+            arrays = {id(a): a for _, a in flat if isinstance(a, mx.array)}
             self._parameter_buffers = len(arrays)
             if self.walks == 0:  # nothing read yet: the parameters are what is known to be resident
                 self._last = _LastReading(resident=float(self._parameter_buffers))
         except Exception as exc:
-            self._internal_error("count_parameters", exc)
+            self.record_internal_error("count_parameters", exc)
         return self._parameter_buffers
 
     def observe(self, roots: Any, *, last_output: Any = None, prefill: bool = False) -> None:
@@ -260,7 +343,7 @@ class Watchdog:
         except ResourceLimitForecast:
             raise
         except Exception as exc:
-            self._internal_error("observe", exc)
+            self.record_internal_error("observe", exc)
         finally:  # self._charge(start), inlined: this runs on every step
             spent = time.perf_counter() - start
             self.overhead_seconds += spent
@@ -283,9 +366,9 @@ class Watchdog:
                 if self._scope.version != self._epoch_version:
                     self._new_epoch(self.steps)
                 self._walk(None, self.steps)  # every live cache
-                self._fixer.paths = self._fixer.pending_paths = None  # they are the roots' paths
+                self._fixer.forget_paths()  # they are the roots' paths
         except Exception as exc:
-            self._internal_error("generation_ended", exc)
+            self.record_internal_error("generation_ended", exc)
         finally:
             self._charge(start)
 
@@ -299,6 +382,8 @@ class Watchdog:
             stl = fc.steps_to_limit(resident, self.limit, rate)
             decoding = self.decoding()
             step_rate = self._step_rate() if decoding else 0.0
+            rank, world_size = self._ranks()
+            guard = self._prefill_guard
             return fc.Forecast(
                 step=step,
                 resident_buffers=int(round(resident)),
@@ -314,10 +399,10 @@ class Watchdog:
                 retained_buffers=last.retained,
                 pending_graph_nodes=last.pending_nodes,
                 measured_step=last.step,
-                prefill_graph_nodes=self.prefill_graph_nodes,
-                max_safe_prefill_tokens=self.max_safe_prefill_tokens,
-                rank=self.rank,
-                world_size=self.world_size,
+                prefill_graph_nodes=None if guard is None else guard.graph_nodes,
+                max_safe_prefill_tokens=None if guard is None else guard.safe_tokens,
+                rank=rank,
+                world_size=world_size,
                 rate_known=growth.known,
                 decoding=decoding,
                 sampled=last.sampled,
@@ -327,7 +412,7 @@ class Watchdog:
         """Is anything stepping? False after ``generation_ended()`` or an idle gap."""
         if self._ended or self._last_observe == math.inf:
             return False
-        return time.perf_counter() - self._last_observe <= self._idle_after
+        return time.perf_counter() - self._last_observe <= self._idle_seconds()
 
     def reset(self) -> None:
         """Forget the growth measured so far (a new generation starts); what is resident stays."""
@@ -339,17 +424,36 @@ class Watchdog:
         with self._lock:
             self.stops[reason] += 1
 
+    def record_internal_error(self, where: str, exc: BaseException) -> None:
+        """Count and log an error caught on the watchdog's behalf (the decode goes on)."""
+        with self._lock:
+            self.internal_errors += 1
+            count = self.internal_errors
+        if count <= 3 or count % 1000 == 0:
+            logger.warning(
+                "mlx-watchdog internal error #%d in %s: %r (the decode goes on)",
+                count,
+                where,
+                exc,
+                exc_info=count <= 1,
+            )
+
+    def record_overhead(self, seconds: float) -> None:
+        """Seconds of the watchdog's work outside ``observe`` (the prefill guard's walks): in
+        ``overhead_seconds``, not against the walks' budget."""
+        self.overhead_seconds += seconds
+
     def __repr__(self) -> str:
         return f"Watchdog(name={self.name!r}, limit={self.limit}, fix={self.fix}, steps={self.steps})"
 
     # ----------------------------------------------------------------- the step
 
     def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float) -> None:
-        # This runs on every decode step, on the decode thread, just after the forward has left
-        # the CPU's caches cold: there every Python call and every object touched costs (measured
-        # on a 48-layer CPU decode: 35-41 us a step with the checks in helpers, 13-15 us as here,
-        # 1-2 us in a hot loop). So a step that neither walks nor fixes runs this function alone.
+        # Every decode step runs this, just after the forward left the CPU's caches cold, where
+        # each Python call and object touched costs: a step that neither walks nor fixes runs
+        # this function alone.
         cls = type(roots)  # exact types: a subclass's len() or [] would run the program's code
+        ids: tuple[int, ...]
         if (cls is list or cls is tuple) and roots:  # its first, middle and last items
             anchor = roots[0]
             ids = (id(roots), len(roots), id(anchor), id(roots[len(roots) // 2]), id(roots[-1]))
@@ -366,9 +470,10 @@ class Watchdog:
         schedule = self._schedule
         if gap > 0:
             # Decode time: the gaps between steps, each capped, so idle time (a server between
-            # requests, a program doing other work) does not bank walking budget.
+            # requests, a program doing other work) does not bank walking budget. (The schedule's
+            # field, added to here rather than through a call: every step.)
             schedule.decode_seconds += gap if gap < MAX_STEP_SECONDS else MAX_STEP_SECONDS
-        if self._ended or gap > self._idle_after:
+        if self._ended or (gap > IDLE_SECONDS and gap > self._idle_seconds()):
             self._resume()  # after idle: a new epoch (a new decode if none of the caches lives on)
         self._last_observe = start
         step = self.steps = self.steps + 1
@@ -384,7 +489,7 @@ class Watchdog:
         if fixer.probe is not None:
             probe = fixer.end_probe(step)
             if probe is not None:
-                walked_pending = self._walk(roots, step, probe_start=probe)
+                walked_pending = self._walk(roots, step, probe)
         elif (step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode) and schedule.due(
             step
         ):
@@ -393,10 +498,10 @@ class Watchdog:
                 fixer.start_probe(step, self._growth.site_buffers())
         if self.fix and fixer.due(step, last_output):
             self._fix(roots, walked_pending, step)
-        if self.stop_within is not None or self.warn_within is not None or self.coordinator is not None:
+        if self.stop_within is not None or self.warn_within is not None or self._coordinator is not None:
             self._act(roots, last_output, step)
 
-    def _follow(self, roots: Any, ids: tuple, anchor: Any, prefill: bool) -> bool:
+    def _follow(self, roots: Any, ids: tuple[int, ...], anchor: Any, prefill: bool) -> bool:
         """Other roots than last step's: their caches join the scope. False when this forward is
         no step (a prompt filling other caches beside the running decode)."""
         if prefill and self._root_ids is not None and not self._scope.current(anchor):
@@ -407,7 +512,7 @@ class Watchdog:
             return False
         self._scope.follow(roots)
         self._root_ids = ids
-        self._fixer.paths = self._fixer.pending_paths = None
+        self._fixer.forget_paths()
         try:  # arrays are rebound every step, and some objects take no weak reference
             self._anchor_ref = None if issubclass(type(anchor), mx.array) else weakref.ref(anchor)
         except TypeError:
@@ -431,12 +536,14 @@ class Watchdog:
         none of the caches before the pause lives on (``_new_epoch``); a batch that goes on keeps
         its growth."""
         self._ended = False
+        self._pace_before_pause = self._seconds_per_step()
         self._step_times.clear()  # the idle gap is no step time
         self._epoch_version = -1
 
-    def _walk(self, roots: Any, step: int, probe_start: tuple | None = None) -> list[tuple[str, mx.array]]:
+    def _walk(self, roots: Any, step: int, probe: Probe | None = None) -> list[tuple[str, mx.array]]:
         """Read every live cache (``roots`` and the others; None: no roots, only the caches
-        followed); returns the roots' arrays found pending, with their sites."""
+        followed); returns the roots' arrays found pending, with their sites. ``probe``: the
+        fix-mode probe this reading ends."""
         self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
         t0, cpu0 = time.perf_counter(), graph.cpu_clock()
         others = self._scope.others() if roots is not None else self._scope.members()
@@ -450,37 +557,40 @@ class Watchdog:
         members = [None] + others
         self._empty_walks = 0 if result.found else self._empty_walks + 1
         if self._empty_walks == 3:  # a fresh cache is empty on its first step; three in a row is not
-            self._warn_once(
+            self._warnings.once(
                 "empty",
                 "mlx-watchdog: the observed roots hold no mx.array; nothing to watch (%r)",
                 type_name(roots),
             )
         if result.truncated:
-            self._warn_once("cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut)
+            self._warnings.once(
+                "cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut
+            )
         found = result.found
-        self._fixer.paths = [f.steps for f in found if f.root == 0 and resolvable(f.steps)]
         reading = self._sampler.read(found, step, root_keys)
         pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
-        # Between walks the fix re-reads only where pending arrays were seen (fix.py).
-        self._fixer.pending_paths = [(f.site, f.steps) for f in pending if resolvable(f.steps)]
+        self._fixer.remember_paths(found, pending)
 
-        held: dict[int, list] = {}  # per cache followed: [its weak reference, buffers, of which retained]
-        sites: dict[str, list] = {}
+        by_cache: dict[int, _CacheTally] = {}
+        sites: dict[str, SiteTally] = {}
         for f, done, retained in zip(found, reading.evaluated, reading.retained):
             member = members[f.root] if f.root else member_of(roots, f.steps)
-            entry = held.get(id(member))
-            if entry is None:
-                entry = held[id(member)] = [self._scope.ref(member), 0.0, 0.0]
-            entry[1] += 1 if done else retained
-            entry[2] += 0 if done else retained
-            entry = sites.setdefault(f.site, [0, 0.0, [], 0])
-            entry[3] += 1
+            cache = by_cache.get(id(member))
+            if cache is None:
+                cache = by_cache[id(member)] = _CacheTally(self._scope.ref(member))
+            site = sites.get(f.site)
+            if site is None:
+                site = sites[f.site] = SiteTally()
+            site.arrays += 1
             if done:
-                entry[0] += 1
+                cache.buffers += 1
+                site.held += 1
             else:
-                entry[1] += retained
-                if retained and len(entry[2]) < MAX_PATHS_PER_SITE:
-                    entry[2].append(f.path)
+                cache.buffers += retained
+                cache.retained += retained
+                site.retained += retained
+                if retained and len(site.paths) < MAX_PATHS_PER_SITE:
+                    site.paths.append(f.path)
         del members
 
         cache_buffers = reading.evaluated_arrays
@@ -499,7 +609,7 @@ class Watchdog:
         # The first reading of a new decode pairs with no other (-1 is no epoch): see schedule.py.
         epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
         with self._lock:
-            self._growth.record(step, epoch, sites, sample, probe_start)
+            self._growth.record(step, epoch, sites, sample, probe)
             self._growth.update_leaks(fixing=self.fix and self._fixer.fixed_once)
             self._last = _LastReading(
                 step,
@@ -508,7 +618,7 @@ class Watchdog:
                 int(round(retained_buffers)),
                 int(round(reading.pending_nodes)),
                 reading.sampled,
-                tuple(tuple(entry) for entry in held.values() if entry[0] is not None),
+                tuple(cache for cache in by_cache.values() if cache.ref is not None),
             )
             self.walks += 1
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
@@ -518,7 +628,7 @@ class Watchdog:
             try:
                 self.on_forecast(self.forecast())
             except Exception as exc:
-                self._internal_error("on_forecast callback", exc)
+                self.record_internal_error("on_forecast callback", exc)
         return [(f.site, f.array) for f in pending]
 
     def _fix(
@@ -529,21 +639,23 @@ class Watchdog:
         fix_started = time.perf_counter()
         failed = 0
         try:
-            pending = fixer.pending(roots, walked_pending, self._growth.growing, sweep)
+            pending = fixer.pending(
+                roots, walked_pending, self._growth.growing, sweep, self.max_objects, self.max_depth
+            )
             if pending:
                 failed = schedule_evaluation(pending, mx.async_eval)
         except Exception as exc:  # counted and logged; the decode goes on
-            self._internal_error("materialize", exc)
+            self.record_internal_error("materialize", exc)
             return
         finally:
-            # The fix is a cost the user chose (fix_every sets it); charged to the walk budget it
-            # would starve the walks (measured: none after step 97 of 2,000 at fix_every=1) and
-            # leave the metrics stale. It still counts in overhead_seconds.
-            self._schedule.spent -= time.perf_counter() - fix_started
+            # The fix is a cost the user chose (fix_every sets it): charged to the walk budget,
+            # it would starve the walks and leave the metrics stale. It still counts in
+            # overhead_seconds.
+            self._schedule.refund(time.perf_counter() - fix_started)
         if failed:
             with self._lock:
                 self.fix_failures += failed
-            self._warn_once(
+            self._warnings.once(
                 "fix",
                 "mlx-watchdog: the fix could not schedule %d pending arrays (counted in "
                 "fix_failures; the others were scheduled)",
@@ -558,17 +670,16 @@ class Watchdog:
             self.materialized_arrays += len(pending) - failed
             if pending:
                 self.reclaimed_buffers += per_step * (step - fixer.last_step)
-            fixer.last_step = step
-            if not fixer.fixed_once:
-                fixer.fixed_once = True
+            if fixer.ran(step):  # the series' first fix
                 growth.fixed()
                 growth.update_leaks(fixing=True)
 
     def _act(self, roots: Any, last_output: Any, step: int) -> None:
         with self._lock:  # cheap arithmetic; the full Forecast only when a threshold is crossed
             stl = fc.steps_to_limit(self._resident_now(step), self.limit, self._growth.rate)
-        if self.coordinator is not None:
-            stl = self.coordinator.worst(step, stl)
+        coordinator = self._coordinator
+        if coordinator is not None:
+            stl = coordinator.worst(step, stl)
         near = (self.stop_within is not None and stl <= self.stop_within) or (
             self.warn_within is not None and stl <= self.warn_within
         )
@@ -578,13 +689,13 @@ class Watchdog:
         if self.stop_within is not None and stl <= self.stop_within:
             if self.fix and evaluated_output(last_output):
                 # Try the fix first: materialize everything now and measure again.
-                self._fixer.probe = None
+                self._fixer.cancel_probe()
                 self._fix(roots, None, step, sweep=True)
                 self._walk(roots, step)
                 forecast = self.forecast()
                 stl = forecast.steps_to_limit
-                if self.coordinator is not None:
-                    stl = self.coordinator.worst(step, stl)
+                if coordinator is not None:
+                    stl = coordinator.worst(step, stl)
             if stl <= self.stop_within:
                 self.record_stop("forecast")
                 logger.error("mlx-watchdog: stopping the generation: %s", forecast.describe())
@@ -616,19 +727,40 @@ class Watchdog:
     def _resident_now(self, step: int) -> float:
         last = self._last
         gone = self._gone
-        if gone[0] is not last or gone[1] != self._scope.version:  # a cache died since: recount
-            dead = [ref() is None for ref, _, _ in last.by_member]
-            chains = sum(r for _, _, r in last.by_member)
-            dead_chains = sum(r for (_, _, r), d in zip(last.by_member, dead) if d)
-            gone = self._gone = (
-                last,
-                self._scope.version,
-                sum(n for (_, n, _), d in zip(last.by_member, dead) if d),
-                1.0 - dead_chains / chains if chains else float(not all(dead) or not dead),
+        if gone.reading is not last or gone.version != self._scope.version:  # a cache died since: recount
+            caches = last.by_cache
+            dead = [cache for cache in caches if cache.ref is None or cache.ref() is None]
+            chains = sum(cache.retained for cache in caches)
+            dead_chains = sum(cache.retained for cache in dead)
+            if chains:
+                alive_share = 1.0 - dead_chains / chains
+            else:
+                alive_share = float(len(dead) < len(caches) or not caches)
+            gone = self._gone = _Gone(
+                last, self._scope.version, sum(cache.buffers for cache in dead), alive_share
             )
         # The growth since goes on in the caches that live: with a cache gone, so is its share.
-        growth = max(0.0, self._growth.rate) * (step - last.step) * gone[3]
-        return max(float(self._parameter_buffers), last.resident - gone[2]) + growth
+        growth = max(0.0, self._growth.rate) * (step - last.step) * gone.alive_share
+        return max(float(self._parameter_buffers), last.resident - gone.buffers) + growth
+
+    def _ranks(self) -> tuple[int, int]:
+        coordinator = self._coordinator
+        if coordinator is not None:
+            return coordinator.rank, coordinator.world_size
+        return launched()
+
+    def _seconds_per_step(self) -> float:
+        """Over the steps since the last pause; until two are seen, the pace before it."""
+        times = self._step_times
+        if len(times) >= 2:
+            (s0, t0), (s1, t1) = times[0], times[-1]
+            if t1 > t0:
+                return (t1 - t0) / (s1 - s0)
+        return self._pace_before_pause
+
+    def _idle_seconds(self) -> float:
+        # A slow decode (a big model on a slow host) is not idle between its steps.
+        return max(IDLE_SECONDS, 8 * self._seconds_per_step())
 
     def _step_rate(self) -> float:
         if len(self._step_times) < 2:
@@ -636,36 +768,16 @@ class Watchdog:
         (s0, t0), (s1, t1) = self._step_times[0], self._step_times[-1]
         if t1 <= t0:
             return 0.0
-        # A slow decode (a big model on a slow host) is not idle between its steps.
-        self._idle_after = max(IDLE_SECONDS, 8 * (t1 - t0) / (s1 - s0))
         return (s1 - s0) / (t1 - t0)
 
     def _charge(self, start: float) -> None:
         """The watchdog's own time since ``start``: in its overhead and against its budget."""
         spent = time.perf_counter() - start
         self.overhead_seconds += spent
-        self._schedule.spent += spent
+        self._schedule.charge(spent)
 
     def _disown(self, seconds: float) -> None:
         """Seconds spent inside ``observe`` on the program's work, not the watchdog's
         (``allocator.py``): out of its overhead and its budget (``observe`` adds its whole time)."""
         self.overhead_seconds -= seconds
-        self._schedule.spent -= seconds
-
-    def _internal_error(self, where: str, exc: BaseException) -> None:
-        with self._lock:
-            self.internal_errors += 1
-            count = self.internal_errors
-        if count <= 3 or count % 1000 == 0:
-            logger.warning(
-                "mlx-watchdog internal error #%d in %s: %r (the decode goes on)",
-                count,
-                where,
-                exc,
-                exc_info=count <= 1,
-            )
-
-    def _warn_once(self, key: str, message: str, *args) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message, *args)
+        self._schedule.refund(seconds)
