@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from support import free_port, http_get, log_tail, prom_query, require_binary, s
 import mlx_watchdog
 from mlx_watchdog import Watchdog, watch
 from mlx_watchdog.attach.model import unwatch_model, watch_model
+from mlx_watchdog.core import coordination
 from mlx_watchdog.core.limits import device_name
 from mlx_watchdog.exporters import prometheus as exporter
 from mlx_watchdog.tiny import build_model, tiny_prompts
@@ -171,7 +173,8 @@ def registry():
 def test_promtool_check_metrics_has_no_findings(leaky, flat, fixed, registry):
     promtool = require_binary("promtool")
     prefill = Watchdog(name="exp-prefill")  # fills the families a decode leaves empty
-    prefill.prefill_graph_nodes, prefill.max_safe_prefill_tokens = 149_000, 900
+    # the readings a prefill guard installed on the watchdog gives its forecast
+    prefill.prefill_guard = types.SimpleNamespace(graph_nodes=149_000, safe_tokens=900)
     prefill.record_stop("forecast")
     prefill.record_stop("coordinator")
     text = generate_latest(registry)
@@ -298,9 +301,16 @@ def test_export_false_is_left_out_unless_listed(leaky, registry):
     assert {s.labels["watchdog"] for s in families["mlx_watchdog_steps"].samples} == {"exp-hidden"}
 
 
+def ranks(rank: int, world_size: int):
+    """A coordinator of a distributed job, as far as the exporter reads it (core/coordination.py)."""
+    return types.SimpleNamespace(
+        rank=rank, world_size=world_size, worst=lambda step, steps_to_limit: steps_to_limit
+    )
+
+
 def test_rank_label_in_a_distributed_job():
     wd = Watchdog(name="exp-ranked", export=False)
-    wd.rank, wd.world_size = 3, 4
+    wd.coordinator = ranks(3, 4)
     reg = CollectorRegistry()
     reg.register(exporter.WatchdogCollector([wd]))
     families = scrape(reg)
@@ -583,7 +593,7 @@ def test_default_metrics_port(monkeypatch):
         raise AssertionError("default_metrics_port must not initialize a distributed group")
 
     monkeypatch.setattr(mx.distributed, "init", no_init)
-    for variable in exporter._RANK_VARIABLES:
+    for variable in coordination.RANK_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(exporter, "live_watchdogs", lambda: [])  # other tests' watchdogs aside
     assert exporter.default_metrics_port() == 9464
@@ -593,7 +603,7 @@ def test_default_metrics_port(monkeypatch):
     assert exporter.default_metrics_port() == expected
     monkeypatch.delenv("MLX_RANK")
     ranked = Watchdog(name="exp-rank-port", export=False)  # as the distributed module sets it up
-    ranked.rank, ranked.world_size = 2, 4
+    ranked.coordinator = ranks(2, 4)
     monkeypatch.setattr(exporter, "live_watchdogs", lambda: [ranked])
     assert exporter.default_metrics_port(9000) == (9002 if mx.distributed.is_available() else 9000)
     assert exporter.default_metrics_port(0) == 0  # any free port: no offset
