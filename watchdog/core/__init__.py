@@ -14,7 +14,11 @@ never the reverse.
 * Over time: ``schedule.py`` (when to walk, within the budget), ``growth.py`` (readings ->
   rate and leak sites), ``forecast.py`` (robust slopes, the step and time of the limit),
   ``attribution.py`` (the source line that rebinds a leaking attribute).
-* Acting: ``fix.py`` (schedule evaluation of pending cache arrays), ``actions.py`` (stop, warn).
+* Acting: ``fix.py`` (schedule evaluation of the pending cache arrays that leak), ``actions.py``
+  (stop, warn).
+* Other processes: ``coordination.py`` (the one hook for them, a coordinator that an attachment
+  installs, and the rank and world size the launcher's variables give).
 * ``limits.py`` (the device's buffer limit, an exact counter where MLX has one),
-  ``options.py`` (the bounds of every option), ``chunks.py`` (prefill chunk sizes).
+  ``options.py`` (the bounds of every option), ``chunks.py`` (a prefill chunk's buffers as a
+  line over its length, and the largest chunk under a budget).
 """
