@@ -61,18 +61,6 @@ def llama():
     unwatch_model(model)
 
 
-@pytest.fixture(scope="module")
-def _hybrid12():
-    # 12 layers, full attention every 4th: 9 linear-attention layers -> 8 leaked buffers/step.
-    return tiny.build_model("qwen3_next", layers=12, full_attention_interval=4)
-
-
-@pytest.fixture
-def hybrid(_hybrid12):
-    yield _hybrid12
-    unwatch_model(_hybrid12)
-
-
 def _greedy(model, n, **kwargs):
     steps = generate_step(mx.array(PROMPT), model, max_tokens=n, logits_processors=[no_eos], **kwargs)
     return [token for token, _ in steps]
