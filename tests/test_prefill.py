@@ -39,7 +39,8 @@ def flat_model(request):
 
 
 @pytest.fixture
-def hybrid():
+def hybrid4():
+    """A 4-layer tiny qwen3_next (3 linear-attention layers), not conftest's 12-layer ``hybrid``."""
     m = build_model("qwen3_next", layers=4)
     yield m
     unwatch_model(m)
@@ -147,37 +148,37 @@ def test_graph_size_is_linear_in_chunk_length(model):
     assert abs(report["buffers_per_token"]) < 0.5  # evaluated inputs are the weights, not tokens
 
 
-def test_report_evaluates_nothing_and_skips_what_cannot_fit(hybrid):
+def test_report_evaluates_nothing_and_skips_what_cannot_fit(hybrid4):
     wd = Watchdog(export=False)
-    watch_model(hybrid, wd)
-    report = safe_prefill_report(hybrid, lengths=(16, 32, 64, 1024))
+    watch_model(hybrid4, wd)
+    report = safe_prefill_report(hybrid4, lengths=(16, 32, 64, 1024))
     assert wd.steps == 0  # the report bypasses the watched forward
     assert report["skipped_lengths"] == []
     small = report["measurements"][1]["nodes"] + report["measurements"][1]["buffers"]
     # A limit that fits the 32-token graph but not a 1024-token one: that one is never built.
-    tight = safe_prefill_report(hybrid, limit=report["resident_buffers"] + 2 * small, lengths=(16, 32, 1024))
+    tight = safe_prefill_report(hybrid4, limit=report["resident_buffers"] + 2 * small, lengths=(16, 32, 1024))
     assert tight["skipped_lengths"] == [1024]
     assert [m["tokens"] for m in tight["measurements"]] == [16, 32]
     assert tight["max_safe_prefill_tokens"] < 32  # half the limit cannot hold the 32-token chunk
     for bad in ((), (1,), (16, "x"), 5):
         with pytest.raises(ValueError):
-            safe_prefill_report(hybrid, lengths=bad)
+            safe_prefill_report(hybrid4, lengths=bad)
     with pytest.raises(ValueError):
-        safe_prefill_report(hybrid, safety=1.5)
+        safe_prefill_report(hybrid4, safety=1.5)
 
 
 # ------------------------------------------------------------------ the guard on a watched model
 
 
-def test_safe_chunk_from_a_configured_small_limit(hybrid):
-    limit = limit_for(hybrid, 96)
+def test_safe_chunk_from_a_configured_small_limit(hybrid4):
+    limit = limit_for(hybrid4, 96)
     wd = Watchdog(limit=limit, export=False)
     sizes: list[int] = []
-    guard = install(wd, hybrid, on_safe_size=sizes.append)
-    assert watched_state(hybrid).watchdog is wd
-    cache = make_prompt_cache(hybrid)
+    guard = install(wd, hybrid4, on_safe_size=sizes.append)
+    assert watched_state(hybrid4).watchdog is wd
+    cache = make_prompt_cache(hybrid4)
     for n in (16, 32, 64, 64):
-        run_chunk(hybrid, cache, n)
+        run_chunk(hybrid4, cache, n)
     safe = guard.safe_tokens
     assert wd.prefill_guard is guard  # the watchdog's forecast reads the guard installed on it
     assert wd.forecast().max_safe_prefill_tokens == safe == sizes[-1]
@@ -211,18 +212,18 @@ def test_flat_graph_is_safe_at_any_size_or_none(flat_model):
 
 
 @pytest.mark.parametrize("near", [True, False])
-def test_walks_once_per_length_and_predicts_between(hybrid, near):
-    wd = Watchdog(limit=limit_for(hybrid, 100) if near else None, export=False)
-    guard = install(wd, hybrid)
-    cache = make_prompt_cache(hybrid)
+def test_walks_once_per_length_and_predicts_between(hybrid4, near):
+    wd = Watchdog(limit=limit_for(hybrid4, 100) if near else None, export=False)
+    guard = install(wd, hybrid4)
+    cache = make_prompt_cache(hybrid4)
     for n in (32, 32, 32, 16, 64, 48, 48):
-        run_chunk(hybrid, cache, n)
+        run_chunk(hybrid4, cache, n)
     assert guard.chunks == 7
     if near:
         # Near the limit shorter lengths refine the fit until it is trusted; 48 is predicted.
         assert [m.tokens for m in guard.measurements] == [16, 32, 64] and guard.walks == 3
-        fresh = make_prompt_cache(hybrid)
-        measured = measure_chunk(48, hybrid(tokens(48), cache=fresh), fresh)
+        fresh = make_prompt_cache(hybrid4)
+        measured = measure_chunk(48, hybrid4(tokens(48), cache=fresh), fresh)
         assert guard.predicted_buffers(48) == pytest.approx(measured.predicted_buffers, rel=0.02)
     else:
         # Far from it only longer chunks than any seen are walked.
@@ -231,14 +232,14 @@ def test_walks_once_per_length_and_predicts_between(hybrid, near):
     assert guard.walk_seconds > 0 and wd.overhead_seconds >= guard.walk_seconds
 
 
-def test_decode_steps_and_batches_are_measured_by_chunk_length(hybrid):
+def test_decode_steps_and_batches_are_measured_by_chunk_length(hybrid4):
     wd = Watchdog(export=False)
-    guard = install(wd, hybrid)
-    cache = make_prompt_cache(hybrid)
-    run_chunk(hybrid, cache, 1)  # a decode step: not a prefill
+    guard = install(wd, hybrid4)
+    cache = make_prompt_cache(hybrid4)
+    run_chunk(hybrid4, cache, 1)  # a decode step: not a prefill
     assert guard.chunks == 0
-    batch_cache = make_prompt_cache(hybrid)
-    out = hybrid(tokens(32, batch=3), cache=batch_cache)
+    batch_cache = make_prompt_cache(hybrid4)
+    out = hybrid4(tokens(32, batch=3), cache=batch_cache)
     mx.eval(out)
     assert guard.chunks == 1 and 32 in [m.tokens for m in guard.measurements]
 
@@ -281,44 +282,44 @@ def test_raises_before_the_chunk_is_evaluated(model):
     assert cache_arrays and not any(is_evaluated(a) for a in cache_arrays)
 
 
-def test_stop_names_the_safe_step_size_and_it_works(hybrid):
-    limit = limit_for(hybrid, 64)
+def test_stop_names_the_safe_step_size_and_it_works(hybrid4):
+    limit = limit_for(hybrid4, 64)
     wd = Watchdog(limit=limit, stop_within=0, export=False)
-    outputs = capture_outputs(hybrid, wd)
-    guard = install(wd, hybrid)
-    cache = make_prompt_cache(hybrid)
-    run_chunk(hybrid, cache, 16)  # fits: evaluated normally
+    outputs = capture_outputs(hybrid4, wd)
+    guard = install(wd, hybrid4)
+    cache = make_prompt_cache(hybrid4)
+    run_chunk(hybrid4, cache, 16)  # fits: evaluated normally
     with pytest.raises(ResourceLimitForecast) as caught:
-        hybrid(tokens(512), cache=cache)
+        hybrid4(tokens(512), cache=cache)
     safe = caught.value.safe_prefill_tokens
     assert safe == guard.safe_tokens and 16 < safe < 512
     assert f"prefill_step_size={safe}" in str(caught.value)
     assert caught.value.predicted_buffers > limit - caught.value.forecast.resident_buffers
     assert not is_evaluated(outputs[-1])
     # The caller retries with the advised step size on a fresh cache: no stop.
-    retry = make_prompt_cache(hybrid)
+    retry = make_prompt_cache(hybrid4)
     for start in range(0, 512, safe):
-        run_chunk(hybrid, retry, min(safe, 512 - start))
+        run_chunk(hybrid4, retry, min(safe, 512 - start))
     assert wd.stops["prefill"] == 1
 
 
-def test_no_stop_without_stop_within(hybrid):
-    report = safe_prefill_report(hybrid, lengths=(32,))
+def test_no_stop_without_stop_within(hybrid4):
+    report = safe_prefill_report(hybrid4, lengths=(32,))
     chunk = report["measurements"][0]["nodes"] + report["measurements"][0]["buffers"]
     wd = Watchdog(limit=report["resident_buffers"] + chunk // 2, export=False)
-    guard = install(wd, hybrid)
-    out = run_chunk(hybrid, make_prompt_cache(hybrid), 32)
+    guard = install(wd, hybrid4)
+    out = run_chunk(hybrid4, make_prompt_cache(hybrid4), 32)
     assert is_evaluated(out) and guard.safe_tokens < 32 and not wd.stops
 
 
-def test_guard_never_breaks_the_forward(hybrid):
+def test_guard_never_breaks_the_forward(hybrid4):
     wd = Watchdog(export=False)
 
     def broken(tokens):
         raise RuntimeError("callback bug")
 
-    guard = install(wd, hybrid, on_safe_size=broken)
-    out = run_chunk(hybrid, make_prompt_cache(hybrid), 16)
+    guard = install(wd, hybrid4, on_safe_size=broken)
+    out = run_chunk(hybrid4, make_prompt_cache(hybrid4), 16)
     assert is_evaluated(out) and guard.internal_errors == 1 and wd.internal_errors == 1
     guard.check_chunk(object(), None)  # no shape, nothing to measure: counted, not raised
     assert guard.internal_errors == 2
@@ -328,16 +329,16 @@ def test_guard_never_breaks_the_forward(hybrid):
         PrefillGuard("not a watchdog")
 
 
-def test_install_replaces_and_remove_detaches(hybrid):
+def test_install_replaces_and_remove_detaches(hybrid4):
     wd = Watchdog(export=False)
-    first = install(wd, hybrid)
-    second = install(wd, hybrid)
-    hooks = watched_state(hybrid).prefill_hooks
-    assert len(hooks) == 1 and installed_guard(hybrid) is second
-    run_chunk(hybrid, make_prompt_cache(hybrid), 16)
+    first = install(wd, hybrid4)
+    second = install(wd, hybrid4)
+    hooks = watched_state(hybrid4).prefill_hooks
+    assert len(hooks) == 1 and installed_guard(hybrid4) is second
+    run_chunk(hybrid4, make_prompt_cache(hybrid4), 16)
     assert first.chunks == 0 and second.chunks == 1
     second.remove()
-    assert installed_guard(hybrid) is None and hooks == []
+    assert installed_guard(hybrid4) is None and hooks == []
 
 
 # ------------------------------------------------------------------ the server path
@@ -360,22 +361,22 @@ def test_adapt_server_prefill_targets():
 
 
 @pytest.mark.parametrize("calibrate", [(), (16, 32, 64)])
-def test_server_batch_generator_adopts_the_safe_step(hybrid, calibrate):
+def test_server_batch_generator_adopts_the_safe_step(hybrid4, calibrate):
     import mlx_lm.server as server
 
-    limit = limit_for(hybrid, 40)
+    limit = limit_for(hybrid4, 40)
     wd = Watchdog(limit=limit, export=False)
     chunks: list[int] = []
-    watch_model(hybrid, wd)
-    watched_state(hybrid).prefill_hooks.append(lambda w, inputs, output: chunks.append(inputs.shape[1]))
+    watch_model(hybrid4, wd)
+    watched_state(hybrid4).prefill_hooks.append(lambda w, inputs, output: chunks.append(inputs.shape[1]))
     cli_args = argparse.Namespace(prefill_step_size=128)
     original = server.BatchGenerator
     adapter = ServerPrefillAdapter(cli_args).attach(server)
     try:
         applied: list[int] = []
-        guard = install(wd, hybrid, lambda n: applied.append(adapter(n)), calibrate=calibrate)
+        guard = install(wd, hybrid4, lambda n: applied.append(adapter(n)), calibrate=calibrate)
         # What mlx_lm.server does when it makes its batch generator.
-        generator = server.BatchGenerator(hybrid, max_tokens=2, prefill_step_size=cli_args.prefill_step_size)
+        generator = server.BatchGenerator(hybrid4, max_tokens=2, prefill_step_size=cli_args.prefill_step_size)
         assert adapter.generators == [generator]
         generator.insert([[5] * 300])
         for _ in range(50):  # bounded: 2 tokens after the prompt's chunks
