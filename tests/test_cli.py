@@ -23,6 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import mlx.core as mx
 import pytest
 from rich.console import Console
+from support import free_port
 
 from mlx_watchdog import tiny
 from mlx_watchdog.commands import demo, diagnose, to_the_limit
@@ -59,12 +60,6 @@ def run_main(capsys, *argv):
     status = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return status, out, err
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- demo
