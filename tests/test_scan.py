@@ -133,17 +133,14 @@ def test_bad_options_are_usage_errors(capsys):
     assert "sideways" in capsys.readouterr().err
 
 
-def test_a_batch_that_shrinks_in_place_reads_flat_as_the_exact_count():
+def test_a_batch_that_shrinks_in_place_reads_flat_as_the_exact_count(counter):
     """mamba through BatchGenerator with a request joining: when the first two requests end, the
     batch is filtered in place (the same caches: no new epoch) and the level moves once. Read at
     every step, that step must not pass for growth: the exact count stays flat."""
-    from support import exact_counter
-
     from mlx_watchdog import tiny
     from mlx_watchdog.attach.model import unwatch_model, watch_model
     from mlx_watchdog.core.watchdog import Watchdog
 
-    counter = exact_counter()
     model = families.build("mamba")
     model = model[0] if isinstance(model, tuple) else model
     steps = 100
