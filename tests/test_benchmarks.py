@@ -15,6 +15,9 @@ import observe_stall  # noqa: E402
 import paired_speed  # noqa: E402
 import paired_stats  # noqa: E402
 
+# paired_speed.py at its smallest: a 4-layer hybrid (batch of 2), 24 steps in chunks of 8.
+SMALL_RUN = ["--model", "qwen3_next", "--layers", "4", "--steps", "24", "--chunk", "8", "--warmup", "4"]
+
 
 def test_diagnostic_variants_take_apart_what_they_say():
     """``nowalk`` observes every step and never walks; ``wrapped`` observes nothing; ``watched``
@@ -94,24 +97,7 @@ def test_paired_speed_writes_each_chunk_as_it_ends_and_reports_from_the_records(
     monkeypatch.setattr(sys, "argv", ["paired_speed.py"])
     assert (
         paired_speed.main(
-            [
-                "--model",
-                "qwen3_next",
-                "--layers",
-                "4",
-                "--steps",
-                "24",
-                "--chunk",
-                "8",
-                "--warmup",
-                "4",
-                "--variants",
-                "unwatched,aa,fix",
-                "--compare",
-                "fix:aa",
-                "--jsonl",
-                str(records),
-            ]
+            [*SMALL_RUN, "--variants", "unwatched,aa,fix", "--compare", "fix:aa", "--jsonl", str(records)]
         )
         == 0
     )
@@ -132,27 +118,7 @@ def test_every_decode_variant_gives_the_unwatched_tokens_and_the_fix_cuts_the_le
     records = tmp_path / "chunks.jsonl"
     variants = ("unwatched", "aa", "handfix", "watched", "fix", "wrapped", "nowalk")
     monkeypatch.setattr(sys, "argv", ["paired_speed.py"])
-    assert (
-        paired_speed.main(
-            [
-                "--model",
-                "qwen3_next",
-                "--layers",
-                "4",
-                "--steps",
-                "24",
-                "--chunk",
-                "8",
-                "--warmup",
-                "4",
-                "--variants",
-                ",".join(variants),
-                "--jsonl",
-                str(records),
-            ]
-        )
-        == 0
-    )
+    assert paired_speed.main([*SMALL_RUN, "--variants", ",".join(variants), "--jsonl", str(records)]) == 0
     lines = [json.loads(line) for line in records.read_text().splitlines()]
     ends = {r["variant"]: r for r in lines if r["type"] == "end"}
     assert set(ends) == set(variants)
