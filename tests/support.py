@@ -1,6 +1,6 @@
-"""Helpers shared by the tests that run real servers on loopback: free ports, required system
-binaries (Prometheus, promtool, Alertmanager), starting and stopping those servers, and small
-HTTP / PromQL clients.
+"""Helpers shared by the tests: free ports, required system binaries (Prometheus, promtool,
+Alertmanager), starting and stopping those servers, small HTTP / PromQL clients, the exact
+live-buffer counter and a batched decode.
 
 Policy for missing binaries: locally a test that needs one skips with a loud reason (printed to
 stderr and raised as a warning); under CI=true it fails, so CI never passes by skipping.
@@ -103,6 +103,20 @@ def exact_counter():
         return exact_buffers.install()
     except RuntimeError as exc:
         missing(f"the exact live-buffer counter cannot be installed: {exc}")
+
+
+def batched_tokens(model, steps: int, prompts) -> list[list[int]]:
+    """Decode ``prompts`` together through mlx-lm's ``BatchGenerator`` for ``steps`` tokens: the
+    tokens of each step, in the batch's order."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=steps)
+    gen.insert(prompts)
+    tokens = []
+    while responses := gen.next_generated():
+        tokens.append([r.token for r in responses])
+    gen.close()
+    return tokens
 
 
 def require_binary(*names: str) -> str:

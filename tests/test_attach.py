@@ -17,9 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.generate import BatchGenerator, generate, generate_step, stream_generate
+from mlx_lm.generate import generate, generate_step, stream_generate
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
+from support import batched_tokens
 from transformers import PreTrainedTokenizerFast
 
 from mlx_watchdog import Watchdog, tiny, watch, watch_step
@@ -408,20 +409,10 @@ def test_copies_and_pickles_of_a_watched_model_are_plain_models(llama):
     assert wd.steps == 1
 
 
-def _batched(model, steps, prompts):
-    gen = BatchGenerator(model, max_tokens=steps)
-    gen.insert(prompts)
-    tokens = []
-    while responses := gen.next_generated():
-        tokens.append([r.token for r in responses])
-    gen.close()
-    return tokens
-
-
 def test_watch_model_counts_the_live_batched_leak_and_stream_generate_is_flat(hybrid, tokenizer):
     wd = Watchdog(limit=200_000, export=False)
     watch_model(hybrid, wd)
-    tokens = _batched(hybrid, 100, tiny.tiny_prompts(2, 6))  # equal lengths: left padding leaks
+    tokens = batched_tokens(hybrid, 100, tiny.tiny_prompts(2, 6))  # equal lengths: left padding leaks
     assert len(tokens) == 100 and wd.steps >= 100
     f = wd.forecast()
     assert f.buffers_per_step == pytest.approx(8, rel=0.05)
@@ -515,7 +506,7 @@ def test_forecast_from_another_thread_during_a_batched_decode(hybrid):
 
     def decode():
         try:
-            _batched(hybrid, 60, tiny.tiny_prompts(2, 6, seed=3))
+            batched_tokens(hybrid, 60, tiny.tiny_prompts(2, 6, seed=3))
         except BaseException as exc:
             errors.append(exc)
         finally:

@@ -5,7 +5,8 @@ import math
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import generate_step
+from support import batched_tokens
 
 from mlx_watchdog import Watchdog, find_arrays, materialize
 from mlx_watchdog.attach.model import watch_model
@@ -66,22 +67,11 @@ def test_forecast_at_one_percent_predicts_the_crossing_step_within_one_percent()
     assert wd.walks < crossing  # walks were sampled, not run every step
 
 
-def _batched_decode(model, wd, steps, prompts):
-    watch_model(model, wd)
-    gen = BatchGenerator(model, max_tokens=steps)
-    gen.insert(prompts)
-    tokens = []
-    while responses := gen.next_generated():
-        tokens.append([r.token for r in responses])
-    gen.close()
-    return tokens
-
-
-def test_live_batched_leak_rate_and_site():
-    # 12 layers, full attention every 4th: 9 linear-attention layers -> 8 buffers per step.
-    model = build_model("qwen3_next", layers=12, full_attention_interval=4)
+def test_live_batched_leak_rate_and_site(hybrid):
+    # conftest's hybrid: 9 linear-attention layers of 12 -> 8 buffers per step.
     wd = Watchdog(limit=200_000)
-    _batched_decode(model, wd, 120, tiny_prompts(2, 6, 512))
+    watch_model(hybrid, wd)
+    batched_tokens(hybrid, 120, tiny_prompts(2, 6, 512))
     f = wd.forecast()
     assert f.buffers_per_step == pytest.approx(8, rel=0.05)
     assert f.leaks[0].site == "ArraysCache.left_padding"
@@ -92,12 +82,11 @@ def test_live_batched_leak_rate_and_site():
     assert f.step_rate > 0
 
 
-def test_plain_generate_step_is_flat():
-    model = build_model("qwen3_next", layers=12, full_attention_interval=4)
+def test_plain_generate_step_is_flat(hybrid):
     wd = Watchdog(limit=200_000)
-    watch_model(model, wd)
+    watch_model(hybrid, wd)
     prompt = mx.array(tiny_prompts(1, 6, 512)[0])
-    for _n, _ in enumerate(generate_step(prompt, model, max_tokens=120)):
+    for _n, _ in enumerate(generate_step(prompt, hybrid, max_tokens=120)):
         pass
     f = wd.forecast()
     assert wd.steps >= 100
