@@ -8,6 +8,7 @@ stderr and raised as a warning); under CI=true it fails, so CI never passes by s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
         return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def busy_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that a listening socket holds for the ``with`` block."""
+    with socket.socket() as busy:
+        busy.bind((LOOPBACK, 0))
+        busy.listen()
+        yield busy.getsockname()[1]
 
 
 def free_port_run(n: int) -> int:

@@ -11,7 +11,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import mlx.core as mx
 import pytest
 from rich.console import Console
-from support import free_port
+from support import busy_port, free_port
 
 from mlx_watchdog import tiny
 from mlx_watchdog.commands import demo, diagnose, to_the_limit
@@ -173,10 +172,7 @@ def test_demo_console_script_runs_in_a_subprocess():
 
 
 def test_demo_metrics_port_in_use_is_a_clear_error(capsys):
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         status, out, err = run_main(capsys, "demo", "--max-tokens", "5", "--metrics-port", port)
     assert status == 2
     assert f"127.0.0.1:{port}" in err and "--metrics-port" in err
@@ -685,10 +681,7 @@ def test_serve_fails_fast_on_a_missing_model_and_a_busy_port(model_dirs, tmp_pat
     assert done.stderr.strip().splitlines() == [
         f"mlx-watchdog serve: error: model path does not exist: {missing} (mlx_lm.server's --model)"
     ]
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         # mlx_lm.server alone hangs here with a traceback; serve checks before it starts.
         done, wall = _serve("--no-metrics", "--", "--model", model_dirs["hybrid4"], "--port", port)
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr

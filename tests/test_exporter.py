@@ -34,7 +34,16 @@ from mlx_lm.generate import BatchGenerator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, http_get, log_tail, prom_query, require_binary, start_prometheus, stop_process
+from support import (
+    busy_port,
+    free_port,
+    http_get,
+    log_tail,
+    prom_query,
+    require_binary,
+    start_prometheus,
+    stop_process,
+)
 
 import mlx_watchdog
 from mlx_watchdog import Watchdog, watch
@@ -417,10 +426,7 @@ def test_decorator_starts_the_server_once_per_process():
 
 
 def test_port_in_use_names_address_and_port(registry):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with busy_port() as port:
         with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}.*already in use"):
             exporter.start_metrics_server(port, registry=registry)
 

@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port
+from support import busy_port, free_port
 
 from mlx_watchdog import tiny
 from mlx_watchdog.attach import server as server_hooks
@@ -375,10 +375,7 @@ def test_bad_namespace_values_raise_value_error():
 
 
 def test_main_reports_a_busy_metrics_port(capsys):
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         assert serve.main(["--metrics-port", str(port), "--", "--model", "unused"]) == 2
     err = capsys.readouterr().err
     assert str(port) in err and "--no-metrics" in err
