@@ -55,6 +55,21 @@ def model_dirs(tmp_path_factory):
     return dirs
 
 
+def to_the_limit_argv(model_dirs, limit: int, *more) -> tuple:
+    """``diagnose --to-the-limit`` on the 4-layer hybrid's batched path, up to ``--limit``."""
+    return (
+        "diagnose",
+        "--to-the-limit",
+        "--model",
+        model_dirs["hybrid4"],
+        "--path",
+        "batched",
+        "--limit",
+        limit,
+        *more,
+    )
+
+
 def run_main(capsys, *argv):
     status = cli.main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -339,18 +354,7 @@ def test_diagnose_errors_are_clear(capsys, model_dirs, tmp_path):
 
 def test_to_the_limit_forecast_at_one_percent_within_one_percent(capsys, model_dirs):
     # hybrid4: 3 linear layers, +2 buffers/step; the estimate crosses 1,100 after ~500 steps.
-    status, out, _ = run_main(
-        capsys,
-        "diagnose",
-        "--to-the-limit",
-        "--model",
-        model_dirs["hybrid4"],
-        "--path",
-        "batched",
-        "--limit",
-        1100,
-        "--json",
-    )
+    status, out, _ = run_main(capsys, *to_the_limit_argv(model_dirs, 1100, "--json"))
     report = json.loads(out)
     _check_object(report, "to_the_limit", _doc_blocks(), "report")
     assert status == report["exit_status"] == 0
@@ -372,18 +376,7 @@ def test_to_the_limit_forecast_at_one_percent_within_one_percent(capsys, model_d
 def test_to_the_limit_child_crash_does_not_fail_the_parent(capsys, model_dirs):
     # The child dies like an uncaught Metal error kills a process (SIGABRT, no report of its own):
     # the parent takes the failing step from the stream and the error from the child's stderr.
-    status, out, err = run_main(
-        capsys,
-        "diagnose",
-        "--to-the-limit",
-        "--model",
-        model_dirs["hybrid4"],
-        "--path",
-        "batched",
-        "--limit",
-        1100,
-        "--crash-at-limit",
-    )
+    status, out, err = run_main(capsys, *to_the_limit_argv(model_dirs, 1100, "--crash-at-limit"))
     assert status == 0, out + err
     assert re.search(r"child process (was killed by signal \d+|exited with status -?\d+)", out)
     match = re.search(
@@ -699,17 +692,7 @@ def test_to_the_limit_shows_progress_on_a_terminal(monkeypatch, model_dirs):
     """On a terminal the child's run is a progress bar toward the forecast limit step (stderr)."""
     out = io.StringIO()
     bar_console = Console(file=out, force_terminal=True, width=120)
-    args = _parse(
-        "diagnose",
-        "--to-the-limit",
-        "--model",
-        model_dirs["hybrid4"],
-        "--path",
-        "batched",
-        "--limit",
-        700,
-        "--json",
-    )
+    args = _parse(*to_the_limit_argv(model_dirs, 700, "--json"))
     report_console = Console(file=io.StringIO(), width=200)
     monkeypatch.setattr(to_the_limit, "print_json", lambda document: out.write(json.dumps(document)))
     assert to_the_limit.run(args, report_console, bar_console) == 0
