@@ -93,9 +93,16 @@ class Served:
         self.log = workdir / f"serve-{self.port}.log"
         # cli: the user's command, `mlx-watchdog serve` (its module, so no console script is needed)
         entry = ["mlx_watchdog", "serve"] if cli else ["mlx_watchdog.commands.serve"]
-        command = [
+        command = self._command(["-m", *entry], model_dir, watchdog_args, ("--prompt-cache-size", "2"))
+        self._launch(command, workdir)
+        _wait_healthy(self.base + "/health", self.process, self.log)
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def _command(self, entry: list[str], model_dir: Path, watchdog_args: list[str], server_args) -> list[str]:
+        """``python ENTRY --metrics-port P WATCHDOG_ARGS -- --model DIR --port P --host 127.0.0.1
+        SERVER_ARGS`` on this server's ports."""
+        return [
             sys.executable,
-            "-m",
             *entry,
             "--metrics-port",
             str(self.metrics_port),
@@ -107,12 +114,8 @@ class Served:
             str(self.port),
             "--host",
             "127.0.0.1",
-            "--prompt-cache-size",
-            "2",
+            *server_args,
         ]
-        self._launch(command, workdir)
-        _wait_healthy(self.base + "/health", self.process, self.log)
-        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
 
     def _launch(self, command: list[str], workdir: Path, **env: str) -> None:
         """Start the server process (its output to ``self.log``) with ``env`` added."""

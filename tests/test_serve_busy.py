@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import threading
 import time
 import urllib.request
@@ -62,21 +61,7 @@ class OracleServed(Served):
         self.port, self.metrics_port, self.oracle_port = free_port(), free_port(), free_port()
         self.log = workdir / f"serve-{self.port}.log"
         self.oracle_log = workdir / f"oracle-{self.port}.jsonl"
-        command = [
-            sys.executable,
-            str(LAUNCHER),
-            "--metrics-port",
-            str(self.metrics_port),
-            *watchdog_args,
-            "--",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(self.port),
-            "--host",
-            "127.0.0.1",
-            *server_args,
-        ]
+        command = self._command([str(LAUNCHER)], model_dir, watchdog_args, server_args)
         self._launch(command, workdir, ORACLE_LOG=str(self.oracle_log), ORACLE_PORT=str(self.oracle_port))
         self.oracle_url = f"http://127.0.0.1:{self.oracle_port}/live"
         self._wait_up()
