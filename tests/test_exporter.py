@@ -53,8 +53,8 @@ from mlx_watchdog.core.limits import device_name
 from mlx_watchdog.exporters import prometheus as exporter
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
-# The contract of issue 5 (the dashboard and alert rules query these names), written out here
-# independently of the exporter's own table.
+# The contract the dashboard and alert rules query, written out here independently of the
+# exporter's own table.
 GAUGES = {
     "mlx_watchdog_resident_buffers",
     "mlx_watchdog_resource_limit_buffers",

@@ -1,4 +1,4 @@
-"""Fix mode and the actions before the limit (issue 3).
+"""Fix mode and the actions before the limit.
 
 ``Watchdog(fix=True)`` materializes the cache arrays a step left pending. It must not change
 outputs (greedy decode token for token and logprob for logprob, plain and batched paths, the

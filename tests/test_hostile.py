@@ -1,4 +1,4 @@
-"""Hostile and odd object graphs (issue 15): the walk runs none of the program's code, one bad
+"""Hostile and odd object graphs: the walk runs none of the program's code, one bad
 member costs only itself, every real array that is reachable is counted, and a walk is bounded.
 
 Every hostile method records its call in ``CALLS`` once ``ARMED`` (building a graph may hash
