@@ -56,6 +56,10 @@ class Forecast:
     # so seconds_to_limit then read 0 and +Inf; the rest is the last decode's.
     decoding: bool = True
     sampled: bool = False  # the last reading walked a sample of the pending graphs (too big to walk whole)
+    # Buffers of the limit kept for what the count does not include (MLX's cached buffers, read
+    # from MLX's counter; on Metal without one, a margin for buffers in flight): steps_to_limit
+    # is (limit - resident_buffers - reserved_buffers) / buffers_per_step.
+    reserved_buffers: int = 0
 
     @property
     def limit_step(self) -> float:

@@ -1,7 +1,8 @@
-"""The device's buffer limit, and MLX's exact live-buffer counter where one exists."""
+"""The device's buffer limit, and MLX's own buffer counter where one exists."""
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable
 
@@ -10,27 +11,66 @@ import mlx.core as mx
 # Metal's default resource limit on Apple silicon (`[metal::malloc] Resource limit (499000) exceeded`).
 DEFAULT_LIMIT = 499_000
 
-# MLX 0.32 has no public live-buffer counter. Should one appear under one of these names
-# (the ones proposed upstream), the watchdog uses it instead of its own estimate.
-_COUNTER_NAMES = (
-    "get_num_buffers",
-    "get_buffer_count",
-    "get_live_buffers",
-    "get_active_buffers",
-    "get_num_resources",
+# Buffers the count cannot see on Metal when MLX has no counter of its own: command buffers in
+# flight keep their inputs alive until they complete, and MLX's commit rule (a command buffer is
+# committed after a maximum of ops or megabytes, about ten in flight) bounds them to roughly two
+# thousand whatever the step. The forecast keeps that much of the limit in reserve there.
+IN_FLIGHT_MARGIN = 2048
+
+# MLX 0.32 has no public buffer counter. Two have been proposed upstream, each as a total (live
+# and cached buffers: Metal's num_resources_, what it compares with the limit) and the cached
+# part; the later spelling first.
+_SPELLINGS = (
+    ("get_active_buffer_count", "get_cache_buffer_count"),
+    ("get_active_resource_count", "get_cache_count"),
 )
 
 
-def _find_counter() -> tuple[str | None, Callable[[], int] | None]:
-    for module_name, module in (("mx", mx), ("mx.metal", getattr(mx, "metal", None))):
-        for name in _COUNTER_NAMES:
-            fn = getattr(module, name, None) if module is not None else None
-            if callable(fn):
-                return f"{module_name}.{name}", fn
-    return None, None
+@dataclasses.dataclass(frozen=True)
+class BufferCounter:
+    """MLX's own count of Metal buffer objects."""
+
+    name: str  # where it was found, e.g. "mx.get_active_buffer_count"
+    total: Callable[[], int]  # live and cached buffers
+    cached: Callable[[], int] | None  # the buffers MLX's cache holds (None: not offered)
+
+    def read(self) -> tuple[int, int]:
+        """(live, cached): live buffers are what a leak grows; cached ones still count against
+        the limit until MLX releases them."""
+        total = int(self.total())
+        cached = int(self.cached()) if self.cached is not None else 0
+        return max(0, total - cached), min(cached, total)
 
 
-EXACT_COUNTER_NAME, EXACT_COUNTER = _find_counter()
+def find_buffer_counter() -> BufferCounter | None:
+    """MLX's buffer counter under either proposed spelling, in ``mx`` or ``mx.metal``; None
+    where this MLX has none or the device is not Metal (other back-ends return 0 from it: their
+    limits are bytes, not buffers)."""
+    metal = getattr(mx, "metal", None)
+    try:
+        on_metal = bool(metal is not None and metal.is_available())
+    except Exception:
+        on_metal = False
+    if not on_metal:
+        return None
+    for label, module in (("mx", mx), ("mx.metal", metal)):
+        for total_name, cached_name in _SPELLINGS:
+            total = getattr(module, total_name, None)
+            if callable(total):
+                cached = getattr(module, cached_name, None)
+                return BufferCounter(f"{label}.{total_name}", total, cached if callable(cached) else None)
+    return None
+
+
+def unseen_margin(counter: BufferCounter | None) -> int:
+    """Buffers the forecast keeps in reserve for what its count does not include: none with
+    MLX's counter (it counts buffers in flight) or off Metal (no buffer limit to reach there)."""
+    if counter is not None:
+        return 0
+    try:
+        return IN_FLIGHT_MARGIN if mx.metal.is_available() else 0
+    except Exception:
+        return 0
 
 
 def device_resource_limit() -> int | None:

@@ -40,7 +40,7 @@ from .caches import Scope, member_of
 from .coordination import Coordinator, launched, new_coordinator
 from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth, SiteTally
-from .limits import EXACT_COUNTER, EXACT_COUNTER_NAME, resolve_limit
+from .limits import find_buffer_counter, resolve_limit, unseen_margin
 from .objects import type_name
 from .options import (
     checked_bool,
@@ -106,6 +106,7 @@ class _LastReading:
     pending_nodes: int = 0
     sampled: bool = False
     by_cache: tuple[_CacheTally, ...] = ()
+    mlx_cached: int = 0  # buffers in MLX's cache, read from MLX's own counter (0 without one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +161,8 @@ class Watchdog:
         max_depth: int = MAX_DEPTH,
     ):
         self.limit = resolve_limit(limit)
+        self._counter = find_buffer_counter()  # MLX's own count, where it has one (Metal)
+        self._unseen = unseen_margin(self._counter)
         fix_every = checked_positive_int(fix_every, "fix_every")
         name = checked_name(name)
         fix = checked_bool(fix, "fix")
@@ -379,7 +382,8 @@ class Watchdog:
             growth, last = self._growth, self._last
             rate = growth.rate
             resident = self._resident_now(step)
-            stl = fc.steps_to_limit(resident, self.limit, rate)
+            reserved = self._reserved()
+            stl = fc.steps_to_limit(resident + reserved, self.limit, rate)
             decoding = self.decoding()
             step_rate = self._step_rate() if decoding else 0.0
             rank, world_size = self._ranks()
@@ -393,7 +397,7 @@ class Watchdog:
                 seconds_to_limit=fc.seconds_from_steps(stl, step_rate),
                 leaks=self._attribution.annotate(growth.leaks),
                 step_rate=step_rate,
-                source=EXACT_COUNTER_NAME or "estimate",
+                source="estimate" if self._counter is None else self._counter.name,
                 parameter_buffers=self._parameter_buffers,
                 cache_buffers=last.cache_buffers,
                 retained_buffers=last.retained,
@@ -406,6 +410,7 @@ class Watchdog:
                 rate_known=growth.known,
                 decoding=decoding,
                 sampled=last.sampled,
+                reserved_buffers=reserved,
             )
 
     def decoding(self) -> bool:
@@ -595,14 +600,16 @@ class Watchdog:
 
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers
-        if EXACT_COUNTER is not None:
-            resident = float(EXACT_COUNTER())
+        mlx_cached = 0
+        if self._counter is not None:  # MLX's own count: live buffers grow, cached ones are reserved
+            live, mlx_cached = self._counter.read()
+            resident = float(live)
         else:
             resident = self._parameter_buffers + cache_buffers + retained_buffers
         sample = None
         if found:  # an empty cache is no sample of growth
             sample = resident
-            if self.fix and self._fixer.fixed_once and EXACT_COUNTER is None:
+            if self.fix and self._fixer.fixed_once and self._counter is None:
                 # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
                 # rate): the growth to forecast is what it leaves behind.
                 sample = resident - retained_buffers + reading.pending_arrays
@@ -619,6 +626,7 @@ class Watchdog:
                 int(round(reading.pending_nodes)),
                 reading.sampled,
                 tuple(cache for cache in by_cache.values() if cache.ref is not None),
+                mlx_cached,
             )
             self.walks += 1
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
@@ -676,7 +684,9 @@ class Watchdog:
 
     def _act(self, roots: Any, last_output: Any, step: int) -> None:
         with self._lock:  # cheap arithmetic; the full Forecast only when a threshold is crossed
-            stl = fc.steps_to_limit(self._resident_now(step), self.limit, self._growth.rate)
+            stl = fc.steps_to_limit(
+                self._resident_now(step) + self._reserved(), self.limit, self._growth.rate
+            )
         coordinator = self._coordinator
         if coordinator is not None:
             stl = coordinator.worst(step, stl)
@@ -693,6 +703,11 @@ class Watchdog:
                 self._fix(roots, None, step, sweep=True)
                 self._walk(roots, step)
                 forecast = self.forecast()
+                stl = forecast.steps_to_limit
+                if coordinator is not None:
+                    stl = coordinator.worst(step, stl)
+            if stl <= self.stop_within and self._release_cache():
+                forecast = self.forecast()  # MLX's cached buffers freed: what is left is what counts
                 stl = forecast.steps_to_limit
                 if coordinator is not None:
                     stl = coordinator.worst(step, stl)
@@ -714,6 +729,26 @@ class Watchdog:
             )
 
     # ----------------------------------------------------------------- helpers
+
+    def _reserved(self) -> int:
+        """Buffers of the limit the forecast keeps for what its count does not include: MLX's
+        cached buffers, read from MLX's counter, or a margin for buffers in flight on Metal."""
+        return self._last.mlx_cached if self._counter is not None else self._unseen
+
+    def _release_cache(self) -> bool:
+        """Before a stop: free MLX's cached buffers (MLX would release them before it fails) and,
+        with MLX's counter, read the count again. True when the reading changed."""
+        try:
+            mx.clear_cache()
+            if self._counter is None:
+                return False
+            live, cached = self._counter.read()
+        except Exception as exc:
+            self.record_internal_error("clear_cache", exc)
+            return False
+        with self._lock:
+            self._last = dataclasses.replace(self._last, resident=float(live), mlx_cached=cached)
+        return True
 
     def _reset_series(self) -> None:
         """Forget the growth measured so far. The last reading of what is resident stays: those
