@@ -26,6 +26,7 @@ in multi-process mode yet").
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import re
@@ -215,30 +216,38 @@ if hasattr(os, "register_at_fork"):
 class ProcessesCollector:
     """A prometheus_client collector: the families of every live process's snapshot in
     ``folder``, merged by name, each sample with a ``pid`` label; plus the standard ``process_*``
-    metrics of those processes (``process_metrics=False`` leaves them out)."""
+    metrics of those processes (``process_metrics=False`` leaves them out).
+
+    A file is parsed again only when it was replaced: an idle process costs a scrape no parse."""
 
     def __init__(self, folder: str | os.PathLike, *, process_metrics: bool = True):
         self.folder = Path(folder)
         self.process_metrics = process_metrics
         self._warned: set[str] = set()
+        self._parsed: dict[Path, _Snapshot] = {}
+        self._lock = threading.Lock()  # scrapes may come on several server threads at once
 
     def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            families, pids = self._merged()
+        yield from families.values()
+        if self.process_metrics and pids:
+            yield from _process_families(pids)
+
+    def _merged(self) -> tuple[dict[str, Metric], list[int]]:
         families: dict[str, Metric] = {}
         pids = []
+        seen = set()
         for pid, path in self._snapshots():
-            text = _read(path)
-            if text is None:
+            snapshot = self._snapshot(pid, path)
+            if snapshot is None:
                 continue
-            if not _alive(pid, text):
+            if not _alive(pid, snapshot.started):
                 _unlink(path)
                 continue
-            try:
-                parsed = list(text_string_to_metric_families(text))
-            except Exception as exc:
-                self._warn(f"parse-{pid}", "mlx-watchdog: cannot parse %s: %r", path, exc)
-                continue
+            seen.add(path)
             pids.append(pid)
-            for family in parsed:
+            for family in snapshot.families:
                 merged = families.get(family.name)
                 if merged is None:
                     merged = families[family.name] = Metric(family.name, family.documentation, family.type)
@@ -252,13 +261,37 @@ class ProcessesCollector:
                         pid,
                     )
                     continue
-                label = str(pid)
-                merged.samples.extend(
-                    s._replace(labels={**s.labels, PID_LABEL: label}) for s in family.samples
-                )
-        yield from families.values()
-        if self.process_metrics and pids:
-            yield from _process_families(pids)
+                merged.samples.extend(family.samples)
+        for path in [p for p in self._parsed if p not in seen]:
+            del self._parsed[path]
+        return families, pids
+
+    def _snapshot(self, pid: int, path: Path) -> _Snapshot | None:
+        """The file's families with the pid label, parsed again only when the file changed."""
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return None
+        key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)  # a write replaces the file: a new inode
+        cached = self._parsed.get(path)
+        if cached is not None and cached.key == key:
+            return cached
+        text = _read(path)
+        if text is None:
+            return None
+        try:
+            label = str(pid)
+            families = []
+            for family in text_string_to_metric_families(text):
+                family.samples = [s._replace(labels={**s.labels, PID_LABEL: label}) for s in family.samples]
+                families.append(family)
+        except Exception as exc:
+            self._warn(f"parse-{pid}", "mlx-watchdog: cannot parse %s: %r", path, exc)
+            return None
+        match = _HEADER_RE.match(text)
+        snapshot = _Snapshot(key, float(match.group(2)) if match else None, families)
+        self._parsed[path] = snapshot
+        return snapshot
 
     def _snapshots(self) -> list[tuple[int, Path]]:
         try:
@@ -276,6 +309,13 @@ class ProcessesCollector:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Snapshot:
+    key: tuple  # the file's inode, modification time and size when it was parsed
+    started: float | None  # its process's start time, from the header
+    families: list[Metric]  # the samples labelled with the pid
 
 
 class ProcessesRegistry(CollectorRegistry):
@@ -347,29 +387,29 @@ def _start_time(pid: int) -> float:
         return 0.0
 
 
-def _alive(pid: int, text: str) -> bool:
-    """Does the process that wrote ``text`` still run (not a later process with its pid)?"""
+def _alive(pid: int, started: float | None) -> bool:
+    """Does the process that started at ``started`` still run (not a later process with its pid)?"""
     try:
         import psutil
-
+    except ImportError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
             return False
-        match = _HEADER_RE.match(text)
-        if match is None or float(match.group(2)) == 0.0:
+        if not started:  # no start time written: the pid alone says
             return True
-        return abs(process.create_time() - float(match.group(2))) < _START_TOLERANCE
-    except ImportError:
-        pass
-    except Exception:  # NoSuchProcess
+        return abs(process.create_time() - started) < _START_TOLERANCE
+    except psutil.NoSuchProcess:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    except psutil.Error:  # not ours to read: it runs
         return True
-    return True
 
 
 def _read(path: Path) -> str | None:
