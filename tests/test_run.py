@@ -365,6 +365,17 @@ def test_an_existing_sitecustomize_later_on_pythonpath_still_runs(tmp_path, monk
     assert out == ["chained sitecustomize ran", str(custom / "sitecustomize.py"), "True"]
 
 
+def test_a_stop_under_mlx_lm_server_points_to_serve(capfd):
+    assert run_command.runs_mlx_lm_server(["python3", "-m", "mlx_lm.server", "--model", "m"])
+    assert run_command.runs_mlx_lm_server(["python3", "-u", "-m", "mlx_lm", "server"])
+    assert run_command.runs_mlx_lm_server(["/venv/bin/mlx_lm.server", "--port", "8080"])
+    assert not run_command.runs_mlx_lm_server(["vllm-mlx", "serve", "m"])
+    assert not run_command.runs_mlx_lm_server(["python", "-m", "mlx_vlm.server"])
+    command = [PYTHON, "-c", "import sys", "-m", "mlx_lm.server"]  # -m here is the program's
+    assert cli.main(["run", "--no-metrics", "--stop-within", "10", "--", *command]) == 0
+    assert "mlx-watchdog serve` ends stopped requests" not in capfd.readouterr().err
+
+
 # --------------------------------------------------------------------------- exit status and signals
 
 

@@ -94,29 +94,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- what cannot be watched
 
 
-def blocking_flag(interpreter_args: Sequence[str]) -> str | None:
-    """The first of -I, -E, -S among a Python interpreter's own options (those before the script,
-    ``-c`` or ``-m``), or None."""
-    args = list(interpreter_args)
-    i = 0
+def interpreter_options(interpreter_args: Sequence[str]) -> tuple[list[tuple[str, str | None]], int]:
+    """A Python interpreter's own options, in order, as (flag, value), and the index in
+    ``interpreter_args`` where the program's arguments start. ``-c`` and ``-m`` end the options,
+    with the command or module as value; long options are kept as given."""
+    args, found, i = list(interpreter_args), [], 0
     while i < len(args):
         arg = args[i]
         if arg == "-" or arg == "--" or not arg.startswith("-"):
-            return None  # the script (or stdin): the program's arguments follow
+            return found, i  # the script (or stdin)
         if arg.startswith("--"):
-            i += 2 if arg == "--check-hash-based-pycs" else 1
+            takes_value = arg == "--check-hash-based-pycs"
+            found.append((arg, args[i + 1] if takes_value and i + 1 < len(args) else None))
+            i += 2 if takes_value else 1
             continue
         for j, flag in enumerate(arg[1:]):
-            if flag in BLOCKING_FLAGS:
-                return flag
-            if flag in "cm":
-                return None  # the rest is the command or the module
-            if flag in "WX":  # its value is the rest of this argument, or the next one
-                if j == len(arg) - 2:
-                    i += 1
+            rest = arg[j + 2 :]
+            if flag in "cmWX":  # its value is the rest of this argument, or the next one
+                value = rest or (args[i + 1] if i + 1 < len(args) else "")
+                found.append((flag, value))
+                i += 1 if rest else 2
+                if flag in "cm":
+                    return found, i
                 break
-        i += 1
-    return None
+            found.append((flag, None))
+        else:
+            i += 1
+    return found, i
+
+
+def blocking_flag(interpreter_args: Sequence[str]) -> str | None:
+    """The first of -I, -E, -S among a Python interpreter's own options, or None."""
+    options, _ = interpreter_options(interpreter_args)
+    return next((flag for flag, _ in options if flag in BLOCKING_FLAGS), None)
 
 
 def is_python(path: str) -> bool:
@@ -167,6 +177,18 @@ def unwatchable(executable: str, argv: Sequence[str]) -> str | None:
     return f"{os.path.basename(python)} -{flag}{where}: {BLOCKING_FLAGS[flag]}"
 
 
+def runs_mlx_lm_server(command: Sequence[str]) -> bool:
+    """``mlx_lm.server ...``, ``python -m mlx_lm.server ...`` or ``python -m mlx_lm server ...``."""
+    if os.path.basename(command[0]) == "mlx_lm.server":
+        return True
+    if not is_python(command[0]):
+        return False
+    options, end = interpreter_options(command[1:])
+    module = options[-1][1] if options and options[-1][0] == "m" else None
+    program_args = list(command[1 + end :])
+    return module == "mlx_lm.server" or (module == "mlx_lm" and program_args[:1] == ["server"])
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -207,6 +229,13 @@ def run(args: argparse.Namespace, command: Sequence[str] | None = None) -> int:
             metrics = _start_metrics(args, state)
         if problem is None:
             print(_start_line(shown, options, metrics), file=sys.stderr, flush=True)
+        if options["stop_within"] is not None and runs_mlx_lm_server(command):
+            print(
+                f"{PROG} run: mlx_lm.server's batch loop has no handler for a stop (its generation "
+                f"thread would end and requests hang): `{PROG} serve` ends stopped requests cleanly",
+                file=sys.stderr,
+                flush=True,
+            )
         env = environment(dict(os.environ), configuration(options, state, metrics=not no_metrics))
         forwarder = _SignalForwarder()
         restore = forwarder.install()  # before the child starts: a SIGTERM meanwhile is passed on
