@@ -280,6 +280,17 @@ def test_nothing_of_mlx_or_the_core_is_imported_before_the_program_imports_mlx_l
     assert report["wrapped"] == "mlx_lm.utils"  # patched right after the program imported it
 
 
+def test_run_and_its_bootstrap_do_not_import_the_entry_point_and_the_bootstrap_imports_no_mlx():
+    code = (
+        "import sys, mlx_watchdog.bootstrap\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'numpy')))\n"
+        "import mlx_watchdog.commands.run\n"
+        "print('mlx_watchdog.commands.main' in sys.modules)\n"
+    )
+    done = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == ["[]", "False"], done.stderr
+
+
 # --------------------------------------------------------------------------- what cannot be watched
 
 
