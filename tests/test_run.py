@@ -387,6 +387,13 @@ def test_a_stop_under_mlx_lm_server_points_to_serve(capfd):
     assert "mlx-watchdog serve` ends stopped requests" not in capfd.readouterr().err
 
 
+def test_the_state_folder_goes_with_the_run(capfd):
+    code = "import json, os; print(json.loads(os.environ['MLX_WATCHDOG_RUN'])['state'])"
+    assert cli.main(["run", "--metrics-port", "0", "--", PYTHON, "-c", code]) == 0
+    state = Path(capfd.readouterr().out.strip())
+    assert state.name.startswith("mlx-watchdog-run-") and not state.exists()
+
+
 # --------------------------------------------------------------------------- exit status and signals
 
 
@@ -740,6 +747,7 @@ def test_run_serves_its_metrics_over_tls(tmp_path):
         with pytest.raises(OSError):
             http_get(url.replace("https", "http"), timeout=3)
     finally:
+        stop_process(proc)  # SIGTERM, passed on: the run ends and cleans up
         stop_process(proc, group=True)
 
 
