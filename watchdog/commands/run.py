@@ -98,7 +98,8 @@ def interpreter_options(interpreter_args: Sequence[str]) -> tuple[list[tuple[str
     """A Python interpreter's own options, in order, as (flag, value), and the index in
     ``interpreter_args`` where the program's arguments start. ``-c`` and ``-m`` end the options,
     with the command or module as value; long options are kept as given."""
-    args, found, i = list(interpreter_args), [], 0
+    args, i = list(interpreter_args), 0
+    found: list[tuple[str, str | None]] = []
     while i < len(args):
         arg = args[i]
         if arg == "-" or arg == "--" or not arg.startswith("-"):
