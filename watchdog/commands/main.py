@@ -5,6 +5,7 @@
     mlx-watchdog diagnose --to-the-limit --limit 20000
     mlx-watchdog scan [FAMILY ...]            # every mlx-lm architecture, built tiny, leaks named
     mlx-watchdog serve --fix -- --model PATH  # mlx_lm.server, watched (see serve.py)
+    mlx-watchdog run --fix -- python app.py   # any Python program, watched (see run.py)
 
 Each subcommand is a module with ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args)``,
 registered in ``build_parser``; what they share (exit codes, argument types, consoles) is in
@@ -16,8 +17,8 @@ Exit status: 0 fine, 1 a leak was found (diagnose) or the fix did not hold (demo
 load errors (a bad option, a model that cannot be loaded, a port in use). ``serve`` otherwise
 exits with mlx_lm.server's own status (0 after Ctrl-C or SIGTERM).
 
-``serve`` is imported only when chosen: ``demo`` and ``diagnose`` must work even where
-serve.py (or mlx-lm's server) cannot be imported.
+``serve`` and ``run`` are imported only when chosen: ``demo`` and ``diagnose`` must work even
+where serve.py (or mlx-lm's server) cannot be imported.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .. import __version__
 from .common import EXIT_INTERRUPTED, EXIT_LEAK, EXIT_OK, EXIT_USAGE, PROG, UsageError, split_server_argv  # noqa: F401
 
 SERVE_USAGE = f"{PROG} serve [watchdog options] -- [mlx_lm.server arguments]"
+RUN_USAGE = f"{PROG} run [watchdog options] -- COMMAND [ARGS ...]"
 
 
 def _register(commands, name: str, module, help: str, **kwargs) -> argparse.ArgumentParser:
@@ -40,8 +42,9 @@ def _register(commands, name: str, module, help: str, **kwargs) -> argparse.Argu
     return parser
 
 
-def build_parser(load_serve: bool = True) -> argparse.ArgumentParser:
-    """The parser. ``load_serve=False`` leaves ``serve``'s options out (no import of serve.py)."""
+def build_parser(load_serve: bool = True, load_run: bool = False) -> argparse.ArgumentParser:
+    """The parser. ``load_serve=False`` leaves ``serve``'s options out (no import of serve.py);
+    ``load_run=True`` adds ``run``'s (an import of run.py)."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Watch MLX decodes for the lazy-graph buffer leaks that end in "
@@ -74,6 +77,19 @@ def build_parser(load_serve: bool = True) -> argparse.ArgumentParser:
         if serve_module is not None:
             serve_module.add_arguments(serve_parser)
         serve_parser.set_defaults(serve_problem=problem)
+
+    run_parser = commands.add_parser(
+        "run",
+        help="run any Python program with every model it loads watched (COMMAND after `--`)",
+        usage=RUN_USAGE,
+        description="Run a Python program with every model it loads through mlx-lm or mlx-vlm "
+        "watched, its child processes too. COMMAND goes after `--`.",
+    )
+    if load_run:
+        from . import run
+
+        run.add_arguments(run_parser)
+        run_parser.set_defaults(run=run.run)
     return parser
 
 
@@ -98,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, server_argv = split_server_argv(argv)
-    parser = build_parser(load_serve="serve" in ours)
+    parser = build_parser(load_serve="serve" in ours, load_run="run" in ours)
     try:
         args, unknown = parser.parse_known_args(ours)
         if unknown and args.command == "serve":
@@ -108,12 +124,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"own arguments go after `--`: {PROG} serve [watchdog options] -- "
                 f"{' '.join(unknown)}",
             )
+        if unknown and args.command == "run":
+            return _usage_error(
+                "run",
+                f"unrecognized arguments: {' '.join(unknown)}; the command goes after `--`: {RUN_USAGE}",
+            )
         if unknown:
             parser.parse_args(ours)  # argparse's own message and usage (exits 2)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
 
-    if args.command != "serve" and server_argv:
+    if args.command == "run":
+        args.command_argv = server_argv
+    elif args.command != "serve" and server_argv:
         return _usage_error(
             args.command,
             f"arguments after `--` ({' '.join(server_argv)}) are "

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import inspect
 import signal
 import sys
 import threading
@@ -21,106 +20,38 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..attach.server import ServerHooks
-from ..core.options import (
-    checked_fraction,
-    checked_port,
-    checked_positive_int,
-    checked_steps,
-    checked_walk_interval,
-)
-from ..core.watchdog import Watchdog
 from .common import (
     EXIT_USAGE,
     PROG,
     UsageError,
-    fraction,
     local_model_problem,
-    port_number,
     port_problem,
-    positive_int,
-    seconds,
     split_server_argv,
-    step_count,
+)
+from .watch_options import (  # noqa: F401  (DEFAULTS, default_metrics_port, watchdog_options: serve's API)
+    DEFAULT_METRICS_ADDR,
+    DEFAULT_METRICS_PORT,
+    DEFAULTS,
+    add_metrics_arguments,
+    add_watchdog_arguments,
+    default_metrics_port,
+    start_metrics,
+    watchdog_options,
 )
 
-DEFAULT_METRICS_PORT = 9464
-DEFAULT_METRICS_ADDR = "127.0.0.1"
-# The flags' defaults are the Watchdog's own.
-DEFAULTS = {name: p.default for name, p in inspect.signature(Watchdog).parameters.items()}
 SERVER_PROG = "mlx_lm.server"
 
 
 # --------------------------------------------------------------------------- arguments
 
 
-def default_metrics_port() -> int:
-    """The exporter's default (9464, plus the rank in a distributed job) when it is installed."""
-    try:
-        from ..exporters.prometheus import default_metrics_port as exporter_default
-    except ImportError:
-        return DEFAULT_METRICS_PORT
-    try:
-        return exporter_default()
-    except Exception:
-        return DEFAULT_METRICS_PORT
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the watchdog options of ``serve`` to ``parser`` (the server's own go after ``--``)."""
     group = parser.add_argument_group("watchdog")
-    group.add_argument(
-        "--fix",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="materialize the pending cache arrays every --fix-every decode steps "
-        f"({DEFAULTS['fix_every']} unless set), cutting the lazy chains that leak "
-        "buffers; default: --no-fix, only watch",
-    )
-    group.add_argument(
-        "--fix-every",
-        type=positive_int,
-        default=DEFAULTS["fix_every"],
-        metavar="N",
-        help="run the fix every N decode steps (default: %(default)s)",
-    )
-    group.add_argument(
-        "--limit",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="buffer limit to forecast against (default: the device's Metal resource limit, else 499000)",
-    )
-    group.add_argument(
-        "--warn-within",
-        type=step_count,
-        default=None,
-        metavar="STEPS",
-        help="log a warning when the limit is forecast within STEPS decode steps",
-    )
-    group.add_argument(
-        "--stop-within",
-        type=step_count,
-        default=None,
-        metavar="STEPS",
-        help='end the running requests (finish_reason "resource_limit") when the '
+    add_watchdog_arguments(
+        group,
+        stop_help='end the running requests (finish_reason "resource_limit") when the '
         "limit is forecast within STEPS decode steps; the server goes on",
-    )
-    group.add_argument(
-        "--overhead-budget",
-        type=fraction,
-        default=DEFAULTS["overhead_budget"],
-        metavar="FRACTION",
-        help="share of the decode's wall time the watchdog may spend measuring "
-        "(default: %(default)s); raise it on a busy machine to measure more often",
-    )
-    group.add_argument(
-        "--walk-interval",
-        type=seconds,
-        default=DEFAULTS["walk_interval"],
-        metavar="SECONDS",
-        help="seconds of decode between two graph walks once a decode's first walks "
-        "are done (default: 0.5, or longer where walks are dear, so that they "
-        "take 0.1%% of decode time; 0: as often as the budget allows)",
     )
     group.add_argument(
         "--adapt-prefill",
@@ -129,20 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="shrink the server's prefill chunks to what the watchdog measures as safe "
         "(needs mlx_watchdog.prefill)",
     )
-    group.add_argument(
-        "--metrics-port",
-        type=port_number,
-        default=default_metrics_port(),
-        metavar="PORT",
-        help="port of the Prometheus /metrics endpoint (default: %(default)s; 0 picks a free one)",
-    )
-    group.add_argument(
-        "--metrics-addr",
-        default=DEFAULT_METRICS_ADDR,
-        metavar="ADDR",
-        help="address the metrics endpoint binds (default: %(default)s, loopback only)",
-    )
-    group.add_argument("--no-metrics", action="store_true", default=False, help="do not serve metrics")
+    add_metrics_arguments(group)
     return parser
 
 
@@ -171,45 +89,7 @@ def parse_args(
     return args, server_argv
 
 
-def watchdog_options(args: argparse.Namespace) -> dict:
-    """The ``Watchdog`` keyword options from parsed arguments. Raises ``ValueError`` naming the
-    option when a value is bad (for a Namespace built without the parser)."""
-
-    def get(name, default=None):
-        return getattr(args, name, default)
-
-    limit = get("limit")
-    if limit is not None:
-        checked_positive_int(limit, "--limit")
-    interval = checked_walk_interval(get("walk_interval", DEFAULTS["walk_interval"]), "--walk-interval")
-    if not get("no_metrics", False):
-        checked_port(get("metrics_port", DEFAULT_METRICS_PORT), "--metrics-port")
-        addr = get("metrics_addr", DEFAULT_METRICS_ADDR)
-        if not isinstance(addr, str) or not addr.strip():
-            raise ValueError(f"--metrics-addr must be a host name or IP address, got {addr!r}")
-    return {
-        "limit": limit,
-        "fix": bool(get("fix", False)),
-        "fix_every": checked_positive_int(get("fix_every", DEFAULTS["fix_every"]), "--fix-every"),
-        "warn_within": checked_steps(get("warn_within"), "--warn-within"),
-        "stop_within": checked_steps(get("stop_within"), "--stop-within"),
-        "overhead_budget": checked_fraction(
-            get("overhead_budget", DEFAULTS["overhead_budget"]), "--overhead-budget"
-        ),
-        "walk_interval": interval,
-    }
-
-
 # --------------------------------------------------------------------------- running
-
-
-def _start_metrics(args: argparse.Namespace):
-    from ..exporters.prometheus import start_metrics_server
-
-    try:
-        return start_metrics_server(args.metrics_port, addr=args.metrics_addr)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--metrics-port/--metrics-addr: {exc} (or pass --no-metrics)") from exc
 
 
 def preflight(cli_args: argparse.Namespace, host: str, port: int, metrics: Any = None) -> None:
@@ -264,7 +144,7 @@ def run(args: argparse.Namespace, server_argv: Sequence[str]) -> int:
     hooks = ServerHooks(options, adapt_prefill=getattr(args, "adapt_prefill", False))
     metrics = None
     if not getattr(args, "no_metrics", False):
-        metrics = _start_metrics(args)
+        metrics = start_metrics(args)
         print(
             f"mlx-watchdog: metrics at {getattr(metrics, 'url', args.metrics_port)}",
             file=sys.stderr,

@@ -1,0 +1,173 @@
+"""The flags ``serve`` and ``run`` share: the watchdog's options and the metrics endpoint's, and
+the ``Watchdog`` keyword options they make."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from typing import Any
+
+from ..core.options import (
+    checked_fraction,
+    checked_port,
+    checked_positive_int,
+    checked_steps,
+    checked_walk_interval,
+)
+from ..core.watchdog import Watchdog
+from .common import UsageError, fraction, port_number, positive_int, seconds, step_count
+
+DEFAULT_METRICS_PORT = 9464
+DEFAULT_METRICS_ADDR = "127.0.0.1"
+# The flags' defaults are the Watchdog's own.
+DEFAULTS = {name: p.default for name, p in inspect.signature(Watchdog).parameters.items()}
+
+
+def default_metrics_port() -> int:
+    """The exporter's default (9464, plus the rank in a distributed job) when it is installed."""
+    try:
+        from ..exporters.prometheus import default_metrics_port as exporter_default
+    except ImportError:
+        return DEFAULT_METRICS_PORT
+    try:
+        return exporter_default()
+    except Exception:
+        return DEFAULT_METRICS_PORT
+
+
+def add_watchdog_arguments(group: Any, stop_help: str) -> None:
+    """``--fix``, ``--fix-every``, ``--limit``, ``--warn-within``, ``--stop-within`` (``stop_help``
+    says what a stop does), ``--overhead-budget``, ``--walk-interval``."""
+    group.add_argument(
+        "--fix",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="materialize the pending cache arrays every --fix-every decode steps "
+        f"({DEFAULTS['fix_every']} unless set), cutting the lazy chains that leak "
+        "buffers; default: --no-fix, only watch",
+    )
+    group.add_argument(
+        "--fix-every",
+        type=positive_int,
+        default=DEFAULTS["fix_every"],
+        metavar="N",
+        help="run the fix every N decode steps (default: %(default)s)",
+    )
+    group.add_argument(
+        "--limit",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="buffer limit to forecast against (default: the device's Metal resource limit, else 499000)",
+    )
+    group.add_argument(
+        "--warn-within",
+        type=step_count,
+        default=None,
+        metavar="STEPS",
+        help="log a warning when the limit is forecast within STEPS decode steps",
+    )
+    group.add_argument("--stop-within", type=step_count, default=None, metavar="STEPS", help=stop_help)
+    group.add_argument(
+        "--overhead-budget",
+        type=fraction,
+        default=DEFAULTS["overhead_budget"],
+        metavar="FRACTION",
+        help="share of the decode's wall time the watchdog may spend measuring "
+        "(default: %(default)s); raise it on a busy machine to measure more often",
+    )
+    group.add_argument(
+        "--walk-interval",
+        type=seconds,
+        default=DEFAULTS["walk_interval"],
+        metavar="SECONDS",
+        help="seconds of decode between two graph walks once a decode's first walks "
+        "are done (default: 0.5, or longer where walks are dear, so that they "
+        "take 0.1%% of decode time; 0: as often as the budget allows)",
+    )
+
+
+def add_metrics_arguments(group: Any) -> None:
+    """``--metrics-port``, ``--metrics-addr``, ``--no-metrics`` and the endpoint's TLS files."""
+    group.add_argument(
+        "--metrics-port",
+        type=port_number,
+        default=default_metrics_port(),
+        metavar="PORT",
+        help="port of the Prometheus /metrics endpoint (default: %(default)s; 0 picks a free one)",
+    )
+    group.add_argument(
+        "--metrics-addr",
+        default=DEFAULT_METRICS_ADDR,
+        metavar="ADDR",
+        help="address the metrics endpoint binds (default: %(default)s, loopback only)",
+    )
+    group.add_argument("--no-metrics", action="store_true", default=False, help="do not serve metrics")
+    group.add_argument(
+        "--metrics-certfile",
+        default=None,
+        metavar="FILE",
+        help="serve the metrics over HTTPS with this certificate (PEM; with --metrics-keyfile)",
+    )
+    group.add_argument(
+        "--metrics-keyfile", default=None, metavar="FILE", help="the private key of --metrics-certfile (PEM)"
+    )
+    group.add_argument(
+        "--metrics-client-cafile",
+        default=None,
+        metavar="FILE",
+        help="with HTTPS, accept only scrapers whose client certificate this CA signed (mutual TLS)",
+    )
+
+
+def metrics_server_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``start_metrics_server``'s keyword options from the parsed metrics flags."""
+    cafile = getattr(args, "metrics_client_cafile", None)
+    return {
+        "certfile": getattr(args, "metrics_certfile", None),
+        "keyfile": getattr(args, "metrics_keyfile", None),
+        "client_cafile": cafile,
+        "client_auth_required": bool(cafile),
+    }
+
+
+def start_metrics(args: argparse.Namespace, **kwargs: Any) -> Any:
+    """Start the metrics endpoint the flags describe (``kwargs``: more of ``start_metrics_server``'s
+    options, e.g. its registry); ``UsageError`` naming the flags when it cannot start."""
+    from ..exporters.prometheus import start_metrics_server
+
+    try:
+        return start_metrics_server(
+            args.metrics_port, addr=args.metrics_addr, **metrics_server_options(args), **kwargs
+        )
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--metrics-port/--metrics-addr: {exc} (or pass --no-metrics)") from exc
+
+
+def watchdog_options(args: argparse.Namespace) -> dict:
+    """The ``Watchdog`` keyword options from parsed arguments. Raises ``ValueError`` naming the
+    option when a value is bad (for a Namespace built without the parser)."""
+
+    def get(name, default=None):
+        return getattr(args, name, default)
+
+    limit = get("limit")
+    if limit is not None:
+        checked_positive_int(limit, "--limit")
+    interval = checked_walk_interval(get("walk_interval", DEFAULTS["walk_interval"]), "--walk-interval")
+    if not get("no_metrics", False):
+        checked_port(get("metrics_port", DEFAULT_METRICS_PORT), "--metrics-port")
+        addr = get("metrics_addr", DEFAULT_METRICS_ADDR)
+        if not isinstance(addr, str) or not addr.strip():
+            raise ValueError(f"--metrics-addr must be a host name or IP address, got {addr!r}")
+    return {
+        "limit": limit,
+        "fix": bool(get("fix", False)),
+        "fix_every": checked_positive_int(get("fix_every", DEFAULTS["fix_every"]), "--fix-every"),
+        "warn_within": checked_steps(get("warn_within"), "--warn-within"),
+        "stop_within": checked_steps(get("stop_within"), "--stop-within"),
+        "overhead_budget": checked_fraction(
+            get("overhead_budget", DEFAULTS["overhead_budget"]), "--overhead-budget"
+        ),
+        "walk_interval": interval,
+    }
