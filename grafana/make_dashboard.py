@@ -513,12 +513,14 @@ def build() -> dict:
     )
     L.add(
         timeseries(
-            "Fix activity: arrays materialized / buffers reclaimed per second",
+            "Fix activity: arrays materialized / buffers reclaimed / arrays failed per second",
             "What the leak fix (`mlx-watchdog serve --fix`, `Watchdog(fix=True)`) does, per second. "
             "Materialized: pending cache arrays the fix scheduled for evaluation, so their lazy graphs "
             "stop pinning buffers. Reclaimed: buffers the fix kept from accumulating (the growth it cut). "
-            "Both stay at 0 while the fix is off; rates of mlx_watchdog_materialized_arrays_total and "
-            "mlx_watchdog_reclaimed_buffers_total.",
+            "Failed: pending arrays the fix could not schedule (MLX refused them); above 0, those "
+            "arrays still leak. All stay at 0 while the fix is off; rates of "
+            "mlx_watchdog_materialized_arrays_total, mlx_watchdog_reclaimed_buffers_total and "
+            "mlx_watchdog_fix_failures_total.",
             [
                 target(
                     f"rate(mlx_watchdog_materialized_arrays_total{{{SEL}}}[$__rate_interval])",
@@ -529,6 +531,11 @@ def build() -> dict:
                     f"rate(mlx_watchdog_reclaimed_buffers_total{{{SEL}}}[$__rate_interval])",
                     legend="reclaimed " + LEGEND,
                     ref="B",
+                ),
+                target(
+                    f"rate(mlx_watchdog_fix_failures_total{{{SEL}}}[$__rate_interval])",
+                    legend="failed " + LEGEND,
+                    ref="C",
                 ),
             ],
             "suffix:/s",

@@ -148,6 +148,7 @@ class _Walked(NamedTuple):
     step: int
     still: bool  # seen not to take its site's steps (the program evaluates it)
     base: tuple[float, int]  # (retained, step) of the walk its stillness is told from
+    shape: tuple[int, ...]  # a batch change (a gather, a concatenation) changes it
 
 
 def _pending_by_site(found: Sequence[Found], evaluated: Sequence[bool]) -> dict[str, list[int]]:
@@ -266,8 +267,13 @@ class Sampler:
         chosen: list[int] = []
         for i, done in enumerate(evaluated):
             if not done:
-                site, known = found[i].site, self._history(found[i]) is not None
-                if known or site in self._sizes:
+                site, last = found[i].site, self._history(found[i])
+                known = last is not None
+                if last is not None and last.still and last.shape != tuple(found[i].array.shape):
+                    # A batch change moves a still array too, and no clock carries it there: its
+                    # chain is short (the program cuts it), so walk it.
+                    chosen.append(i)
+                elif known or site in self._sizes:
                     groups.setdefault((site, None if known else found[i].root), []).append(i)
                 else:
                     chosen.append(i)
@@ -408,7 +414,14 @@ class Sampler:
                         if site_gain >= MIN_SITE_GAIN:
                             still = reading.retained[i] - base[0] < STILL_SHARE * site_gain
                         base = (reading.retained[i], step)
-                    history[key] = _Walked(reading.retained[i], reading.nodes[i], step, still, base)
+                    history[key] = _Walked(
+                        reading.retained[i],
+                        reading.nodes[i],
+                        step,
+                        still,
+                        base,
+                        tuple(reading.found[i].array.shape),
+                    )
                 elif key in self._walked:
                     history[key] = self._walked[key]
         self._walked = history
