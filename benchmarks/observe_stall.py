@@ -72,7 +72,7 @@ VARIANTS = {  # name: (engine, watched)
     "new-again": ("new", True),
     "unwatched": ("new", False),
 }
-WORKLOADS = ("leakfree", "leaking", "stall")
+WORKLOADS = ("leakfree", "leaking", "stall", "stallfix")
 PAIRS = (  # (numerator, denominator, what it says)
     ("new", "old", "new / old"),
     ("new-again", "old", "new-again / old"),
@@ -94,7 +94,16 @@ def parse_args(argv=None):
     p.add_argument(
         "--stall-depth", type=int, default=None, help="nodes per chain before the first step (default 10000)"
     )
-    p.add_argument("--stall-steps", type=int, default=None, help="observed steps (default 60)")
+    p.add_argument("--stall-steps", type=int, default=None, help="observed steps (default 64)")
+    p.add_argument(
+        "--stall-step-ms", type=float, default=10.0, help="device time of a step, slept (default %(default)s)"
+    )
+    p.add_argument(
+        "--stall-join-at", type=int, default=None, help="the step a request joins at (default 40; 0: none)"
+    )
+    p.add_argument(
+        "--stall-join-depth", type=int, default=100, help="pending nodes of the joining request's chain"
+    )
     p.add_argument(
         "--stall-cap-s",
         type=float,
@@ -121,14 +130,16 @@ def parse_args(argv=None):
         "stall_depth": 300,
         "stall_steps": 5,
         "stall_cap_s": 10.0,
+        "stall_join_at": 3,
     }
     full = {
         "rounds": 6,
         "leakfree_steps": 400,
         "leaking_steps": 300,
         "stall_depth": 10_000,
-        "stall_steps": 60,
+        "stall_steps": 64,
         "stall_cap_s": 30.0,
+        "stall_join_at": 40,
     }
     for key, value in (smoke if args.smoke else full).items():
         if getattr(args, key) is None:
@@ -376,57 +387,144 @@ class _WorkerState:
         return result
 
     def _stall(self, cmd: dict) -> dict:
-        from mlx_watchdog.core.graph import account
+        import mlx_watchdog.core.sampling as sampling
+        from mlx_watchdog import Watchdog
+        from mlx_watchdog.core.graph import account, cpu_clock
 
         mx = self.mx
         if not self.watched:
             return {"skipped": "nothing to time unwatched"}
         chains, depth, steps, cap = cmd["chains"], cmd["depth"], cmd["steps"], cmd["cap_s"]
+        device_s, join_at, join_depth = cmd["step_s"], cmd["join_at"], cmd["join_depth"]
 
         class ChainCache:  # one attribute, one lazy chain: 47 of them are one site
             def __init__(self, state):
                 self.state = state
 
-        t0 = time.perf_counter()
-        cache = []
-        for _ in range(chains):
+        def chain(n):
             x = mx.array(0)
             mx.eval(x)
-            for _ in range(depth):
+            for _ in range(n):
                 x = x - 1
-            cache.append(ChainCache(x))
-        del x
+            return x
+
+        t0 = time.perf_counter()
+        cache = [ChainCache(chain(depth)) for _ in range(chains)]
         build_s = time.perf_counter() - t0
 
-        wd, times = self._watchdog()
-        started = time.perf_counter()
-        done = 0
-        for _ in range(steps):
-            for c in cache:
-                c.state = c.state - 1
-            wd.observe(cache)
-            done += 1
-            if time.perf_counter() - started > cap:
-                break
-        loop_s = time.perf_counter() - started
-        result = self._watch_report(wd, times)
-        t0 = time.perf_counter()
-        reading = account([c.state for c in cache])  # untimed check, once
-        account_s = time.perf_counter() - t0
-        exact = chains * (depth + done) + chains
-        result.update(
-            {
-                "steps_run": done,
-                "capped": done < steps,
-                "build_s": build_s,
-                "loop_s": loop_s,
-                "exact": exact,
-                "account_resident": reading.retained_buffers + reading.evaluated_arrays,
-                "account_nodes": reading.pending_nodes,
-                "account_s": account_s,
+        walks: list[tuple[int, float]] = []  # (pending nodes, CPU s) of each export of a reading
+        real_account = sampling.account
+
+        def recording_account(arrays, **options):
+            c = cpu_clock()
+            reading = real_account(arrays, **options)
+            walks.append((reading.pending_nodes, cpu_clock() - c))
+            return reading
+
+        sampling.account = recording_account  # the sampler's exports; restored below
+        calls: list[dict] = []
+
+        def timed(wd, kind_of, call):
+            n, before, c, t = len(walks), wd.walks, cpu_clock(), time.perf_counter()
+            call()
+            wall, cpu = time.perf_counter() - t, cpu_clock() - c
+            walked = wd.walks > before
+            calls.append(
+                {
+                    "kind": kind_of(walked) if walked else "no walk",
+                    "wall_s": wall,
+                    "cpu_s": cpu,
+                    "nodes": sum(w[0] for w in walks[n:]),
+                    "exports": len(walks) - n,
+                    "step": wd.steps,
+                }
+            )
+            return wall
+
+        try:
+            # The decode: default options (or fix=True), a step of device time (a sleep) between
+            # observes, a request joining at ``join_at`` (its own short chain: a continuing epoch).
+            wd = Watchdog(export=False, fix=cmd["fix"])
+            times = []
+            started = time.perf_counter()
+            done, last_walk = 0, -10
+            for step in range(1, steps + 1):
+                for c in cache:
+                    c.state = c.state - 1
+                if step == join_at:
+                    cache.append(ChainCache(chain(join_depth)))
+                time.sleep(device_s)
+
+                def kind_of(walked, step=step, last_walk=last_walk):
+                    offset = step - 1
+                    if step == join_at:
+                        return "continuing epoch"
+                    if offset == 0:
+                        return "first (owed, probe)"
+                    if cmd["fix"] and step - last_walk <= 3 and offset not in (16, 32):
+                        return "fix probe"
+                    if offset in (16, 32):
+                        return "owed"
+                    if offset in (1, 2, 4, 8, 64):
+                        return "dense"
+                    return "interval"
+
+                walks_before = wd.walks
+                times.append(timed(wd, kind_of, lambda wd=wd, cache=cache: wd.observe(cache)))
+                if wd.walks > walks_before:
+                    last_walk = step
+                done += 1
+                if time.perf_counter() - started > cap:
+                    break
+            loop_s = time.perf_counter() - started
+            timed(wd, lambda walked: "generation_ended", wd.generation_ended)
+            result = self._watch_report(wd, times)
+            t0 = time.perf_counter()
+            reading = account([c.state for c in cache])  # untimed check, once
+            account_s = time.perf_counter() - t0
+            joined = 1 if join_at and join_at <= done else 0
+            exact = chains * (depth + done) + chains
+            if joined:
+                exact += join_depth + (done - join_at) + 1
+            result.update(
+                {
+                    "steps_run": done,
+                    "capped": done < steps,
+                    "build_s": build_s,
+                    "loop_s": loop_s,
+                    "exact": exact,
+                    "account_resident": reading.retained_buffers + reading.evaluated_arrays,
+                    "account_nodes": reading.pending_nodes,
+                    "account_s": account_s,
+                    "true_rate": chains + joined,
+                }
+            )
+            del reading
+            # A short generation ends with its budget left: generation_ended() reads every live
+            # cache once more (a fresh watchdog, 3 steps, on the same chains).
+            ended = Watchdog(export=False)
+            for step in range(1, 4):
+                for c in cache:
+                    c.state = c.state - 1
+                time.sleep(device_s)
+                timed(
+                    ended,
+                    lambda walked, step=step: "dense" if step > 1 else "first (owed, probe)",
+                    lambda cache=cache: ended.observe(cache),
+                )
+            timed(ended, lambda walked: "generation_ended", ended.generation_ended)
+            f = ended.forecast()
+            after = account([c.state for c in cache])
+            result["ended"] = {
+                "resident": f.resident_buffers,
+                "account": after.retained_buffers + after.evaluated_arrays,
+                "walks": ended.walks,
             }
-        )
-        del cache, reading
+            del after
+        finally:
+            sampling.account = real_account
+        result["calls"] = calls
+        cache.clear()
         return result
 
 
@@ -600,7 +698,7 @@ def run(args) -> int:
     paths = {engine: package_dir(engine, src) for engine, (src, _) in engines.items()}
     # The stall runs in worker processes of its own: a walk of a 470k-node graph leaves the process
     # slower at its next small walks.
-    group_of = {w: ("stall" if w == "stall" else "decode") for w in args.workloads}
+    group_of = {w: ("stall" if w.startswith("stall") else "decode") for w in args.workloads}
     workers: dict[tuple[str, str], Worker] = {}
     errors: list[str] = []
     results: dict[str, dict[str, list]] = {w: {v: [] for v in variants} for w in args.workloads}
@@ -626,14 +724,19 @@ def run(args) -> int:
                 "depth": args.stall_depth,
                 "steps": args.stall_steps,
                 "cap_s": args.stall_cap_s,
+                "step_s": args.stall_step_ms / 1e3,
+                "join_at": args.stall_join_at,
+                "join_depth": args.stall_join_depth,
+                "fix": False,
             },
         }
+        cmds["stallfix"] = dict(cmds["stall"], fix=True)
         for r in range(args.rounds):
             order = variants[r % len(variants) :] + variants[: r % len(variants)]
             orders.append(order)
             for workload in args.workloads:
                 for v in order:
-                    if workload == "stall" and not VARIANTS[v][1]:
+                    if workload.startswith("stall") and not VARIANTS[v][1]:
                         continue
                     res = workers[v, group_of[workload]].ask(cmds[workload])
                     res["round"] = r
@@ -746,6 +849,58 @@ def _paired(results: dict, a: str, b: str, key) -> list:
 
 def _worst(r):
     return r["observe"]["worst_s"] if "observe" in r else None
+
+
+KIND_ORDER = (
+    "first (owed, probe)",
+    "dense",
+    "owed",
+    "continuing epoch",
+    "interval",
+    "fix probe",
+    "generation_ended",
+    "no walk",
+)
+
+
+def _kinds_table(variants, res) -> list:
+    """Per kind of observe(): the worst wall time of each run (median over rounds [min..max]), its
+    CPU time, the calls, and the most pending nodes one of them walked."""
+    lines = [
+        "| variant | kind of observe() | calls a run | worst wall ms | worst CPU ms | most nodes walked |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in variants:
+        if not VARIANTS[v][1]:
+            continue
+        ok = [r for r in _ok(res.get(v, [])) if "calls" in r]
+        kinds = {c["kind"] for r in ok for c in r["calls"]}
+        for kind in [k for k in KIND_ORDER if k in kinds] + sorted(kinds - set(KIND_ORDER)):
+            per_run = [[c for c in r["calls"] if c["kind"] == kind] for r in ok]
+            per_run = [calls for calls in per_run if calls]
+            lines.append(
+                f"| {v} | {kind} | {_spread([len(c) for c in per_run], '.0f')} | "
+                f"{_spread([max(x['wall_s'] for x in c) * 1e3 for c in per_run], '.1f')} | "
+                f"{_spread([max(x['cpu_s'] for x in c) * 1e3 for c in per_run], '.1f')} | "
+                f"{max((x['nodes'] for c in per_run for x in c), default=0)} |"
+            )
+    ended = [
+        f"{v}: {_spread([r['ended']['resident'] for r in _ok(res.get(v, [])) if 'ended' in r], '.0f')} "
+        f"read against {_spread([r['ended']['account'] for r in _ok(res.get(v, [])) if 'ended' in r], '.0f')}"
+        for v in variants
+        if VARIANTS[v][1]
+    ]
+    lines += [
+        "",
+        "Kinds: which walk an observe() took, told from its step (the epoch starts at step 1; offsets "
+        "16 and 32 are owed walks, 1, 2, 4, 8 dense ones); `generation_ended` is timed twice, once at the end "
+        "of the decode above (its budget spent: no walk) and once after a short generation of 3 steps on "
+        "the same chains with a fresh watchdog (a walk). Resident read after that short generation's end: "
+        + "; ".join(ended)
+        + ".",
+        "",
+    ]
+    return lines
 
 
 def report(
@@ -904,10 +1059,14 @@ def report(
             lines.append("")
         else:
             lines += [
-                f"## crash scale (stall): {args.stall_chains} chains x {args.stall_depth} pending `- 1` nodes, "
-                f"{args.stall_steps} steps (cap {args.stall_cap_s:.0f} s a run), default options",
+                f"## crash scale ({workload}): {args.stall_chains} chains x {args.stall_depth} pending `- 1` "
+                f"nodes, {args.stall_steps} steps of {args.stall_step_ms:g} ms device time (cap "
+                f"{args.stall_cap_s:.0f} s a run), a request joining at step {args.stall_join_at} "
+                f"({args.stall_join_depth} nodes), "
+                + ("fix=True" if workload == "stallfix" else "default options"),
                 "",
             ]
+            lines += _kinds_table(variants, res)
             lines.append(
                 "| variant | steps run | worst observe() s | first observe() s | worst after the first ms | "
                 "walks | forecast resident (walked at step) | exact | account() | forecast - exact | "

@@ -38,6 +38,7 @@ INITIAL_SECONDS_PER_NODE = 4e-6  # until learnt on this machine
 STILL_SHARE = 0.25  # an array that gained less than this share of its site's gain is still...
 STILL_TELL_STEPS = 16  # ...over at least these steps between two of its walks
 MIN_SITE_GAIN = 2.0  # ...and at least this gain of its site
+SHORT_CHAIN_NODES = 2_000  # nodes a reading may walk beyond its budget: short chains in turn (a few ms)
 
 
 @dataclasses.dataclass
@@ -261,25 +262,23 @@ class Sampler:
 
     def _read_sample(self, found: Sequence[Found], step: int, predicted: float, limit: int) -> Reading:
         evaluated = [is_evaluated(f.array) for f in found]
-        # Pending arrays by site, in turn; those never walked (a request's new caches), by site and
-        # root: their sizes are not their site's, and a root's are alike. A site never seen is walked whole.
+        # Pending arrays by site, in turn; those never walked (a request's new caches, a site never
+        # seen), by site and root: their sizes are not their site's, and a root's are alike.
         groups: dict[tuple[str, int | None], list[int]] = {}
-        chosen: list[int] = []
+        chosen: list[int] = []  # walked whatever they cost: each site's clock, still arrays moved
         for i, done in enumerate(evaluated):
             if not done:
                 site, last = found[i].site, self._history(found[i])
-                known = last is not None
                 if last is not None and last.still and last.shape != tuple(found[i].array.shape):
                     # A batch change moves a still array too, and no clock carries it there: its
                     # chain is short (the program cuts it), so walk it.
                     chosen.append(i)
-                elif known or site in self._sizes:
-                    groups.setdefault((site, None if known else found[i].root), []).append(i)
                 else:
-                    chosen.append(i)
+                    groups.setdefault((site, None if last is not None else found[i].root), []).append(i)
         references: dict[str, int] = {}
         share = limit / predicted  # of each site's pending arrays, this many walk
         self._turn += 1
+        extra: list[tuple[int, float, bool]] = []  # in turn: nodes expected, first of its group
         for (site, root), indices in groups.items():
             quota = int(len(indices) * share)
             if root is None:  # walked before: its site's reference every time, the others in turn
@@ -289,9 +288,30 @@ class Sampler:
                 quota -= 1
                 if not indices:
                     continue
+            elif site not in self._sizes:  # a site never seen: one of it, whatever it costs
+                chosen.append(indices[0])
+                indices = indices[1:]
+                if not indices:
+                    continue
             k = min(len(indices), max(1, quota))
             start = (self._turn * k) % len(indices)
-            chosen.extend(indices[(start + j) % len(indices)] for j in range(k))
+            for j in range(k):
+                i = indices[(start + j) % len(indices)]
+                extra.append((i, self._expected_nodes(found[i], step), j == 0))
+        # The walk is bounded by the stall budget: beyond the clocks, arrays in turn while their
+        # nodes fit, and the first of each group from a small allowance besides (a few ms), so that
+        # short chains keep rotating however low the budget. Those left out are read from their
+        # last walk and their site's gain, or like their site.
+        room = limit - sum(self._expected_nodes(found[i], step) for i in chosen)
+        allowance = float(SHORT_CHAIN_NODES)
+        for i, expected, first in extra:
+            if expected <= room:
+                room -= expected
+            elif first and expected <= allowance:
+                allowance -= expected
+            else:
+                continue
+            chosen.append(i)
         walked_set = set(chosen)
         # Evaluated arrays go in too (one line each): a pending graph that reads one of them
         # then names it as ours, and it is not counted twice.
@@ -326,14 +346,28 @@ class Sampler:
                     retained[i] = max(0.0, last.retained + gain[0])
                     nodes[i] = max(0.0, last.nodes + gain[1])
                     continue
-                # Never walked: like those of its root walked now, or else like its site.
-                like = [j for j in walked_new if found[j].root == found[i].root] or walked
+                # Never walked: another cache (a request's new one) like those of its own walked
+                # now. The observed roots' own caches mix old chains not walked yet with a joining
+                # request's short ones: like those walked before (high, not low), or else like its site.
+                like = [j for j in walked_new if found[j].root == found[i].root] if found[i].root else []
+                like = like or [j for j in walked if j not in walked_new] or walked
                 if like:
                     retained[i] = sum(retained[j] for j in like) / len(like)
                     nodes[i] = sum(nodes[j] for j in like) / len(like)
                 elif size is not None:
                     nodes[i], retained[i] = size.at(step)
         return Reading(list(found), evaluated, retained, nodes, len(walked_set), 0.0, walked_set)
+
+    def _expected_nodes(self, f: Found, step: int) -> float:
+        """The nodes ``f``'s graph is expected to have at ``step``: its last walk and its site's
+        growth since; never walked, its site's size (0 for a site never seen)."""
+        size = self._sizes.get(f.site)
+        last = self._history(f)
+        if last is None:
+            return 0.0 if size is None else size.at(step)[0]
+        if last.still or size is None:
+            return last.nodes
+        return last.nodes + size.nodes_growth * max(0, step - last.step)
 
     def _key(self, f: Found) -> tuple:
         """An array's name across readings: its root (by identity, while it lives) and its path."""
