@@ -426,12 +426,16 @@ class _WorkerState:
 
         def timed(wd, kind_of, call):
             n, before, c, t = len(walks), wd.walks, cpu_clock(), time.perf_counter()
+            fixed = wd.materialized_arrays
             call()
             wall, cpu = time.perf_counter() - t, cpu_clock() - c
             walked = wd.walks > before
+            kind = kind_of(walked) if walked else "no walk"
+            if wd.materialized_arrays > fixed:
+                kind += " + fix"
             calls.append(
                 {
-                    "kind": kind_of(walked) if walked else "no walk",
+                    "kind": kind,
                     "wall_s": wall,
                     "cpu_s": cpu,
                     "nodes": sum(w[0] for w in walks[n:]),
@@ -486,6 +490,8 @@ class _WorkerState:
             exact = chains * (depth + done) + chains
             if joined:
                 exact += join_depth + (done - join_at) + 1
+            if cmd["fix"]:  # the fix evaluated the chains: the walk of everything is the count
+                exact = reading.retained_buffers + reading.evaluated_arrays
             result.update(
                 {
                     "steps_run": done,
@@ -500,18 +506,18 @@ class _WorkerState:
                 }
             )
             del reading
-            # A short generation ends with its budget left: generation_ended() reads every live
-            # cache once more (a fresh watchdog, 3 steps, on the same chains).
-            ended = Watchdog(export=False)
-            for step in range(1, 4):
+            # Every kind once more, each walk taken: a short generation on the same chains, with a
+            # fresh watchdog whose budget holds every walk (overhead_budget=1.0, 0.5 s of device
+            # time a step): its first step, a dense one, a request joining, its end.
+            ended = Watchdog(export=False, overhead_budget=1.0)
+            kinds = ("first (owed, probe)", "dense", "continuing epoch", "dense")
+            for kind in kinds:
                 for c in cache:
                     c.state = c.state - 1
-                time.sleep(device_s)
-                timed(
-                    ended,
-                    lambda walked, step=step: "dense" if step > 1 else "first (owed, probe)",
-                    lambda cache=cache: ended.observe(cache),
-                )
+                if kind == "continuing epoch":
+                    cache.append(ChainCache(chain(join_depth)))
+                time.sleep(0.5)
+                timed(ended, lambda walked, kind=kind: kind, lambda cache=cache: ended.observe(cache))
             timed(ended, lambda walked: "generation_ended", ended.generation_ended)
             f = ended.forecast()
             after = account([c.state for c in cache])
@@ -892,12 +898,13 @@ def _kinds_table(variants, res) -> list:
     ]
     lines += [
         "",
-        "Kinds: which walk an observe() took, told from its step (the epoch starts at step 1; offsets "
-        "16 and 32 are owed walks, 1, 2, 4, 8 dense ones); `generation_ended` is timed twice, once at the end "
-        "of the decode above (its budget spent: no walk) and once after a short generation of 3 steps on "
-        "the same chains with a fresh watchdog (a walk). Resident read after that short generation's end: "
-        + "; ".join(ended)
-        + ".",
+        "Kinds: which walk an observe() took, told from its step in the decode (its epoch starts at step 1; "
+        "offsets 16 and 32 are owed walks, 1, 2, 4, 8 dense ones; `+ fix`: the fix ran in that call). "
+        "Each run then decodes a short generation on the same chains with a fresh watchdog whose budget "
+        "holds every walk (`overhead_budget=1.0`, 0.5 s of device time a step), so that every kind is "
+        "timed whatever the decode's budget allowed: its first step, a dense one, a request joining (a "
+        "continuing epoch), a dense one, `generation_ended` (which reads every live cache). What that "
+        "watchdog reads after the end, against a walk of everything: " + "; ".join(ended) + ".",
         "",
     ]
     return lines
