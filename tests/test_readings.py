@@ -277,8 +277,9 @@ def test_the_crash_scale_reads_right_with_each_walk_within_the_stall_budget(coun
         observe(ended, "short generation", lambda: ended.observe(caches))
     observe(ended, "short generation's end", ended.generation_ended)
 
-    print("worst observe() by kind, ms:", {kind: round(t * 1e3, 1) for kind, t in times.items()})
     table = "\n".join(f"{kind} step {step}: read {read} exact {true}" for kind, step, read, true, _ in rows)
+    print("worst observe() by kind, ms:", {kind: round(t * 1e3, 1) for kind, t in times.items()})
+    print(table)
     assert {"continuing epoch", "short generation's end"} <= {kind for kind, *_ in rows}, table
     for _kind, _step, read_, true, _ in rows:
         assert abs(read_ - true) <= 0.05 * true, table

@@ -14,7 +14,13 @@ change to arrays walked at other steps. The clock is the site's longest chain, w
 reading; gains of arrays walked at other readings would carry those readings' errors along.
 Some arrays take no steps: qwen3_next's mask evaluates the first layer's left_padding each step.
 One seen to gain less than a quarter of its site over 16 steps is read as it was. Arrays never
-walked (a new request's caches) are like those of their own cache walked now.
+walked (a new request's caches) are like those of their own cache walked now; one that joined a
+site already read (a cache added to the observed ones) holds what its site gained since.
+
+A reading never walks more than fits in ``STALL_SECONDS``, beyond each site's reference (one
+chain: the least a reading can walk) and a small allowance that keeps short chains in turn
+(``SHORT_CHAIN_NODES``). At the crash scale (47 chains of 10,000 nodes) that is one chain a
+reading: the others are read from their last walk and the reference's gain.
 
 A buffer that several arrays' graphs share (the index array of a gather over all layers) is
 counted once by a walk of all of them, but by each array walked alone: samples read high by
@@ -170,7 +176,12 @@ class Sampler:
         self._clocks: dict[str, _SiteClock] = {}
         self._turn = 0  # rotates the sampled arrays of each site
         self._walked: dict[tuple, _Walked] = {}  # key -> its last walk
+        # key -> the step an array never walked joined a site already read (a request's caches
+        # added to the observed ones): its chain holds what its site gained since.
+        self._joined: dict[tuple, int] = {}
+        self._present: set[tuple] = set()  # every array's key at the last reading
         self._root_keys: list = []
+        self._keys: dict[int, tuple] = {}  # id(Found) -> its name, for the reading under way
 
     @property
     def max_nodes(self) -> int:
@@ -182,10 +193,18 @@ class Sampler:
             return None
         return sum(s.pending * s.at(step)[0] for s in self._sizes.values())
 
-    def read(self, found: Sequence[Found], step: int, root_keys: Sequence[Any] = ()) -> Reading:
-        """``root_keys[f.root]`` names each root while it lives (an array's path is relative to it)."""
+    def read(
+        self,
+        found: Sequence[Found],
+        step: int,
+        root_keys: Sequence[Any] = (),
+        keys: Sequence[tuple] | None = None,
+    ) -> Reading:
+        """``root_keys[f.root]`` names each root while it lives (an array's path is relative to it);
+        ``keys``, where given, name each array across readings instead (one per array found)."""
         started, cpu_started = time.perf_counter(), graph.cpu_clock()
         self._root_keys = list(root_keys)
+        self._keys = {} if keys is None else {id(f): key for f, key in zip(found, keys)}
         limit = self.max_nodes
         predicted = self.predicted_nodes(step)
         probe = None
@@ -246,6 +265,8 @@ class Sampler:
         self._sizes.clear()
         self._clocks.clear()
         self._walked.clear()
+        self._joined.clear()
+        self._present = set()
 
     # ------------------------------------------------------------------ readings
 
@@ -266,9 +287,15 @@ class Sampler:
         # seen), by site and root: their sizes are not their site's, and a root's are alike.
         groups: dict[tuple[str, int | None], list[int]] = {}
         chosen: list[int] = []  # walked whatever they cost: each site's clock, still arrays moved
+        read_before = {
+            f.site for f, done in zip(found, evaluated) if not done and self._history(f) is not None
+        }
         for i, done in enumerate(evaluated):
             if not done:
                 site, last = found[i].site, self._history(found[i])
+                key = self._key(found[i])
+                if last is None and key not in self._present and site in read_before and site in self._clocks:
+                    self._joined.setdefault(key, step)
                 if last is not None and last.still and last.shape != tuple(found[i].array.shape):
                     # A batch change moves a still array too, and no clock carries it there: its
                     # chain is short (the program cuts it), so walk it.
@@ -346,6 +373,12 @@ class Sampler:
                     retained[i] = max(0.0, last.retained + gain[0])
                     nodes[i] = max(0.0, last.nodes + gain[1])
                     continue
+                joined = self._joined.get(self._key(found[i]))
+                if joined is not None and self._clocks[site].gained(joined) is not None:
+                    # Joined the site since it was read: what the site gained since (its own
+                    # chain from before, a prompt's, is not known: low by that).
+                    retained[i], nodes[i] = self._clocks[site].since(joined, step)
+                    continue
                 # Never walked: another cache (a request's new one) like those of its own walked
                 # now. The observed roots' own caches mix old chains not walked yet with a joining
                 # request's short ones: like those walked before (high, not low), or else like its site.
@@ -364,13 +397,22 @@ class Sampler:
         size = self._sizes.get(f.site)
         last = self._history(f)
         if last is None:
-            return 0.0 if size is None else size.at(step)[0]
+            joined = self._joined.get(self._key(f))
+            if size is None:
+                return 0.0
+            if joined is not None:
+                return size.nodes_growth * max(0, step - joined)
+            return size.at(step)[0]
         if last.still or size is None:
             return last.nodes
         return last.nodes + size.nodes_growth * max(0, step - last.step)
 
     def _key(self, f: Found) -> tuple:
-        """An array's name across readings: its root (by identity, while it lives) and its path."""
+        """An array's name across readings: the key given for it, or its root (by identity, while
+        it lives) and its path."""
+        key = self._keys.get(id(f))
+        if key is not None:
+            return key
         return (self._root_keys[f.root] if f.root < len(self._root_keys) else f.root, f.path)
 
     def _history(self, f: Found) -> _Walked | None:
@@ -459,7 +501,12 @@ class Sampler:
                 elif key in self._walked:
                     history[key] = self._walked[key]
         self._walked = history
+        present = self._present = {self._key(f) for f in reading.found}
+        self._joined = {
+            key: joined for key, joined in self._joined.items() if key not in history and key in present
+        }
         used = {last.step for last in history.values()} | {last.base[1] for last in history.values()}
+        used |= set(self._joined.values())
         self._clocks = {site: clock for site, clock in self._clocks.items() if site in per_site}
         sizes = {}
         for site, indices in per_site.items():
