@@ -508,9 +508,10 @@ class _WorkerState:
             del reading
             # Every kind once more, each walk taken: a short generation on the same chains, with a
             # fresh watchdog whose budget holds every walk (overhead_budget=1.0, 0.5 s of device
-            # time a step): its first step, a dense one, a request joining, its end.
+            # time a step): its first step, dense ones, a request joining once the growth is
+            # measured (before that a join starts the decode afresh), its end.
             ended = Watchdog(export=False, overhead_budget=1.0)
-            kinds = ("first (owed, probe)", "dense", "continuing epoch", "dense")
+            kinds = ("first (owed, probe)", "dense", "dense", "dense", "continuing epoch", "dense")
             for kind in kinds:
                 for c in cache:
                     c.state = c.state - 1
@@ -902,8 +903,8 @@ def _kinds_table(variants, res) -> list:
         "offsets 16 and 32 are owed walks, 1, 2, 4, 8 dense ones; `+ fix`: the fix ran in that call). "
         "Each run then decodes a short generation on the same chains with a fresh watchdog whose budget "
         "holds every walk (`overhead_budget=1.0`, 0.5 s of device time a step), so that every kind is "
-        "timed whatever the decode's budget allowed: its first step, a dense one, a request joining (a "
-        "continuing epoch), a dense one, `generation_ended` (which reads every live cache). What that "
+        "timed whatever the decode's budget allowed: its first step, dense ones, a request joining at "
+        "its step 5 (a continuing epoch), a dense one, `generation_ended` (which reads every live cache). What that "
         "watchdog reads after the end, against a walk of everything: " + "; ".join(ended) + ".",
         "",
     ]
