@@ -85,7 +85,11 @@ PAIRS = (  # (numerator, denominator, what it says)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 6; 1 with --smoke)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help=f"comma list of {', '.join(WORKLOADS)} (default all; with --smoke, all but stallfix)",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--leakfree-steps", type=int, default=None, help="timed generate_step steps (default 400)")
     p.add_argument("--leaking-steps", type=int, default=None, help="BatchGenerator steps (default 300)")
@@ -103,6 +107,12 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--stall-join-depth", type=int, default=100, help="pending nodes of the joining request's chain"
+    )
+    p.add_argument(
+        "--stall-short-step-ms",
+        type=float,
+        default=None,
+        help="device time of a step of the short generation (default 500: its budget holds every walk)",
     )
     p.add_argument(
         "--stall-cap-s",
@@ -131,6 +141,7 @@ def parse_args(argv=None):
         "stall_steps": 5,
         "stall_cap_s": 10.0,
         "stall_join_at": 3,
+        "stall_short_step_ms": 10.0,
     }
     full = {
         "rounds": 6,
@@ -140,10 +151,13 @@ def parse_args(argv=None):
         "stall_steps": 64,
         "stall_cap_s": 30.0,
         "stall_join_at": 40,
+        "stall_short_step_ms": 500.0,
     }
     for key, value in (smoke if args.smoke else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.workloads is None:
+        args.workloads = ",".join(w for w in WORKLOADS if not (args.smoke and w == "stallfix"))
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for w in args.workloads:
@@ -517,7 +531,7 @@ class _WorkerState:
                     c.state = c.state - 1
                 if kind == "continuing epoch":
                     cache.append(ChainCache(chain(join_depth)))
-                time.sleep(0.5)
+                time.sleep(cmd["short_step_s"])
                 timed(ended, lambda walked, kind=kind: kind, lambda cache=cache: ended.observe(cache))
             timed(ended, lambda walked: "generation_ended", ended.generation_ended)
             f = ended.forecast()
@@ -734,6 +748,7 @@ def run(args) -> int:
                 "step_s": args.stall_step_ms / 1e3,
                 "join_at": args.stall_join_at,
                 "join_depth": args.stall_join_depth,
+                "short_step_s": args.stall_short_step_ms / 1e3,
                 "fix": False,
             },
         }
@@ -902,7 +917,7 @@ def _kinds_table(variants, res) -> list:
         "Kinds: which walk an observe() took, told from its step in the decode (its epoch starts at step 1; "
         "offsets 16 and 32 are owed walks, 1, 2, 4, 8 dense ones; `+ fix`: the fix ran in that call). "
         "Each run then decodes a short generation on the same chains with a fresh watchdog whose budget "
-        "holds every walk (`overhead_budget=1.0`, 0.5 s of device time a step), so that every kind is "
+        "holds every walk (`overhead_budget=1.0`, `--stall-short-step-ms` of device time a step: 500 ms by default), so that every kind is "
         "timed whatever the decode's budget allowed: its first step, dense ones, a request joining at "
         "its step 5 (a continuing epoch), a dense one, `generation_ended` (which reads every live cache). What that "
         "watchdog reads after the end, against a walk of everything: " + "; ".join(ended) + ".",
