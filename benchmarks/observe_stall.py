@@ -72,7 +72,7 @@ VARIANTS = {  # name: (engine, watched)
     "new-again": ("new", True),
     "unwatched": ("new", False),
 }
-WORKLOADS = ("leakfree", "leaking", "stall")
+WORKLOADS = ("leakfree", "leaking", "stall", "stallfix")
 PAIRS = (  # (numerator, denominator, what it says)
     ("new", "old", "new / old"),
     ("new-again", "old", "new-again / old"),
@@ -85,7 +85,11 @@ PAIRS = (  # (numerator, denominator, what it says)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 6; 1 with --smoke)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help=f"comma list of {', '.join(WORKLOADS)} (default all; with --smoke, all but stallfix)",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--leakfree-steps", type=int, default=None, help="timed generate_step steps (default 400)")
     p.add_argument("--leaking-steps", type=int, default=None, help="BatchGenerator steps (default 300)")
@@ -94,7 +98,22 @@ def parse_args(argv=None):
     p.add_argument(
         "--stall-depth", type=int, default=None, help="nodes per chain before the first step (default 10000)"
     )
-    p.add_argument("--stall-steps", type=int, default=None, help="observed steps (default 60)")
+    p.add_argument("--stall-steps", type=int, default=None, help="observed steps (default 64)")
+    p.add_argument(
+        "--stall-step-ms", type=float, default=10.0, help="device time of a step, slept (default %(default)s)"
+    )
+    p.add_argument(
+        "--stall-join-at", type=int, default=None, help="the step a request joins at (default 40; 0: none)"
+    )
+    p.add_argument(
+        "--stall-join-depth", type=int, default=100, help="pending nodes of the joining request's chain"
+    )
+    p.add_argument(
+        "--stall-short-step-ms",
+        type=float,
+        default=None,
+        help="device time of a step of the short generation (default 500: its budget holds every walk)",
+    )
     p.add_argument(
         "--stall-cap-s",
         type=float,
@@ -121,18 +140,24 @@ def parse_args(argv=None):
         "stall_depth": 300,
         "stall_steps": 5,
         "stall_cap_s": 10.0,
+        "stall_join_at": 3,
+        "stall_short_step_ms": 10.0,
     }
     full = {
         "rounds": 6,
         "leakfree_steps": 400,
         "leaking_steps": 300,
         "stall_depth": 10_000,
-        "stall_steps": 60,
+        "stall_steps": 64,
         "stall_cap_s": 30.0,
+        "stall_join_at": 40,
+        "stall_short_step_ms": 500.0,
     }
     for key, value in (smoke if args.smoke else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.workloads is None:
+        args.workloads = ",".join(w for w in WORKLOADS if not (args.smoke and w == "stallfix"))
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for w in args.workloads:
@@ -376,57 +401,151 @@ class _WorkerState:
         return result
 
     def _stall(self, cmd: dict) -> dict:
-        from mlx_watchdog.core.graph import account
+        import mlx_watchdog.core.sampling as sampling
+        from mlx_watchdog import Watchdog
+        from mlx_watchdog.core.graph import account, cpu_clock
 
         mx = self.mx
         if not self.watched:
             return {"skipped": "nothing to time unwatched"}
         chains, depth, steps, cap = cmd["chains"], cmd["depth"], cmd["steps"], cmd["cap_s"]
+        device_s, join_at, join_depth = cmd["step_s"], cmd["join_at"], cmd["join_depth"]
 
         class ChainCache:  # one attribute, one lazy chain: 47 of them are one site
             def __init__(self, state):
                 self.state = state
 
-        t0 = time.perf_counter()
-        cache = []
-        for _ in range(chains):
+        def chain(n):
             x = mx.array(0)
             mx.eval(x)
-            for _ in range(depth):
+            for _ in range(n):
                 x = x - 1
-            cache.append(ChainCache(x))
-        del x
+            return x
+
+        t0 = time.perf_counter()
+        cache = [ChainCache(chain(depth)) for _ in range(chains)]
         build_s = time.perf_counter() - t0
 
-        wd, times = self._watchdog()
-        started = time.perf_counter()
-        done = 0
-        for _ in range(steps):
-            for c in cache:
-                c.state = c.state - 1
-            wd.observe(cache)
-            done += 1
-            if time.perf_counter() - started > cap:
-                break
-        loop_s = time.perf_counter() - started
-        result = self._watch_report(wd, times)
-        t0 = time.perf_counter()
-        reading = account([c.state for c in cache])  # untimed check, once
-        account_s = time.perf_counter() - t0
-        exact = chains * (depth + done) + chains
-        result.update(
-            {
-                "steps_run": done,
-                "capped": done < steps,
-                "build_s": build_s,
-                "loop_s": loop_s,
-                "exact": exact,
-                "account_resident": reading.retained_buffers + reading.evaluated_arrays,
-                "account_nodes": reading.pending_nodes,
-                "account_s": account_s,
+        walks: list[tuple[int, float]] = []  # (pending nodes, CPU s) of each export of a reading
+        real_account = sampling.account
+
+        def recording_account(arrays, **options):
+            c = cpu_clock()
+            reading = real_account(arrays, **options)
+            walks.append((reading.pending_nodes, cpu_clock() - c))
+            return reading
+
+        sampling.account = recording_account  # the sampler's exports; restored below
+        calls: list[dict] = []
+
+        def timed(wd, kind_of, call):
+            n, before, c, t = len(walks), wd.walks, cpu_clock(), time.perf_counter()
+            fixed = wd.materialized_arrays
+            call()
+            wall, cpu = time.perf_counter() - t, cpu_clock() - c
+            walked = wd.walks > before
+            kind = kind_of(walked) if walked else "no walk"
+            if wd.materialized_arrays > fixed:
+                kind += " + fix"
+            calls.append(
+                {
+                    "kind": kind,
+                    "wall_s": wall,
+                    "cpu_s": cpu,
+                    "nodes": sum(w[0] for w in walks[n:]),
+                    "exports": len(walks) - n,
+                    "step": wd.steps,
+                }
+            )
+            return wall
+
+        try:
+            # The decode: default options (or fix=True), a step of device time (a sleep) between
+            # observes, a request joining at ``join_at`` (its own short chain: a continuing epoch).
+            wd = Watchdog(export=False, fix=cmd["fix"])
+            times = []
+            started = time.perf_counter()
+            done, last_walk = 0, -10
+            for step in range(1, steps + 1):
+                for c in cache:
+                    c.state = c.state - 1
+                if step == join_at:
+                    cache.append(ChainCache(chain(join_depth)))
+                time.sleep(device_s)
+
+                def kind_of(walked, step=step, last_walk=last_walk):
+                    offset = step - 1
+                    if step == join_at:
+                        return "continuing epoch"
+                    if offset == 0:
+                        return "first (owed, probe)"
+                    if cmd["fix"] and step - last_walk <= 3 and offset not in (16, 32):
+                        return "fix probe"
+                    if offset in (16, 32):
+                        return "owed"
+                    if offset in (1, 2, 4, 8, 64):
+                        return "dense"
+                    return "interval"
+
+                walks_before = wd.walks
+                times.append(timed(wd, kind_of, lambda wd=wd, cache=cache: wd.observe(cache)))
+                if wd.walks > walks_before:
+                    last_walk = step
+                done += 1
+                if time.perf_counter() - started > cap:
+                    break
+            loop_s = time.perf_counter() - started
+            timed(wd, lambda walked: "generation_ended", wd.generation_ended)
+            result = self._watch_report(wd, times)
+            t0 = time.perf_counter()
+            reading = account([c.state for c in cache])  # untimed check, once
+            account_s = time.perf_counter() - t0
+            joined = 1 if join_at and join_at <= done else 0
+            exact = chains * (depth + done) + chains
+            if joined:
+                exact += join_depth + (done - join_at) + 1
+            if cmd["fix"]:  # the fix evaluated the chains: the walk of everything is the count
+                exact = reading.retained_buffers + reading.evaluated_arrays
+            result.update(
+                {
+                    "steps_run": done,
+                    "capped": done < steps,
+                    "build_s": build_s,
+                    "loop_s": loop_s,
+                    "exact": exact,
+                    "account_resident": reading.retained_buffers + reading.evaluated_arrays,
+                    "account_nodes": reading.pending_nodes,
+                    "account_s": account_s,
+                    "true_rate": chains + joined,
+                }
+            )
+            del reading
+            # Every kind once more, each walk taken: a short generation on the same chains, with a
+            # fresh watchdog whose budget holds every walk (overhead_budget=1.0, 0.5 s of device
+            # time a step): its first step, dense ones, a request joining once the growth is
+            # measured (before that a join starts the decode afresh), its end.
+            ended = Watchdog(export=False, overhead_budget=1.0)
+            kinds = ("first (owed, probe)", "dense", "dense", "dense", "continuing epoch", "dense")
+            for kind in kinds:
+                for c in cache:
+                    c.state = c.state - 1
+                if kind == "continuing epoch":
+                    cache.append(ChainCache(chain(join_depth)))
+                time.sleep(cmd["short_step_s"])
+                timed(ended, lambda walked, kind=kind: kind, lambda cache=cache: ended.observe(cache))
+            timed(ended, lambda walked: "generation_ended", ended.generation_ended)
+            f = ended.forecast()
+            after = account([c.state for c in cache])
+            result["ended"] = {
+                "resident": f.resident_buffers,
+                "account": after.retained_buffers + after.evaluated_arrays,
+                "walks": ended.walks,
             }
-        )
-        del cache, reading
+            del after
+        finally:
+            sampling.account = real_account
+        result["calls"] = calls
+        cache.clear()
         return result
 
 
@@ -600,7 +719,7 @@ def run(args) -> int:
     paths = {engine: package_dir(engine, src) for engine, (src, _) in engines.items()}
     # The stall runs in worker processes of its own: a walk of a 470k-node graph leaves the process
     # slower at its next small walks.
-    group_of = {w: ("stall" if w == "stall" else "decode") for w in args.workloads}
+    group_of = {w: ("stall" if w.startswith("stall") else "decode") for w in args.workloads}
     workers: dict[tuple[str, str], Worker] = {}
     errors: list[str] = []
     results: dict[str, dict[str, list]] = {w: {v: [] for v in variants} for w in args.workloads}
@@ -626,14 +745,20 @@ def run(args) -> int:
                 "depth": args.stall_depth,
                 "steps": args.stall_steps,
                 "cap_s": args.stall_cap_s,
+                "step_s": args.stall_step_ms / 1e3,
+                "join_at": args.stall_join_at,
+                "join_depth": args.stall_join_depth,
+                "short_step_s": args.stall_short_step_ms / 1e3,
+                "fix": False,
             },
         }
+        cmds["stallfix"] = dict(cmds["stall"], fix=True)
         for r in range(args.rounds):
             order = variants[r % len(variants) :] + variants[: r % len(variants)]
             orders.append(order)
             for workload in args.workloads:
                 for v in order:
-                    if workload == "stall" and not VARIANTS[v][1]:
+                    if workload.startswith("stall") and not VARIANTS[v][1]:
                         continue
                     res = workers[v, group_of[workload]].ask(cmds[workload])
                     res["round"] = r
@@ -746,6 +871,59 @@ def _paired(results: dict, a: str, b: str, key) -> list:
 
 def _worst(r):
     return r["observe"]["worst_s"] if "observe" in r else None
+
+
+KIND_ORDER = (
+    "first (owed, probe)",
+    "dense",
+    "owed",
+    "continuing epoch",
+    "interval",
+    "fix probe",
+    "generation_ended",
+    "no walk",
+)
+
+
+def _kinds_table(variants, res) -> list:
+    """Per kind of observe(): the worst wall time of each run (median over rounds [min..max]), its
+    CPU time, the calls, and the most pending nodes one of them walked."""
+    lines = [
+        "| variant | kind of observe() | calls a run | worst wall ms | worst CPU ms | most nodes walked |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in variants:
+        if not VARIANTS[v][1]:
+            continue
+        ok = [r for r in _ok(res.get(v, [])) if "calls" in r]
+        kinds = {c["kind"] for r in ok for c in r["calls"]}
+        for kind in [k for k in KIND_ORDER if k in kinds] + sorted(kinds - set(KIND_ORDER)):
+            per_run = [[c for c in r["calls"] if c["kind"] == kind] for r in ok]
+            per_run = [calls for calls in per_run if calls]
+            lines.append(
+                f"| {v} | {kind} | {_spread([len(c) for c in per_run], '.0f')} | "
+                f"{_spread([max(x['wall_s'] for x in c) * 1e3 for c in per_run], '.1f')} | "
+                f"{_spread([max(x['cpu_s'] for x in c) * 1e3 for c in per_run], '.1f')} | "
+                f"{max((x['nodes'] for c in per_run for x in c), default=0)} |"
+            )
+    ended = [
+        f"{v}: {_spread([r['ended']['resident'] for r in _ok(res.get(v, [])) if 'ended' in r], '.0f')} "
+        f"read against {_spread([r['ended']['account'] for r in _ok(res.get(v, [])) if 'ended' in r], '.0f')}"
+        for v in variants
+        if VARIANTS[v][1]
+    ]
+    lines += [
+        "",
+        "Kinds: which walk an observe() took, told from its step in the decode (its epoch starts at step 1; "
+        "offsets 16 and 32 are owed walks, 1, 2, 4, 8 dense ones; `+ fix`: the fix ran in that call). "
+        "Each run then decodes a short generation on the same chains with a fresh watchdog whose budget "
+        "holds every walk (`overhead_budget=1.0`, `--stall-short-step-ms` of device time a step: 500 ms by default), so that every kind is "
+        "timed whatever the decode's budget allowed: its first step, dense ones, a request joining at "
+        "its step 5 (a continuing epoch), a dense one, `generation_ended` (which reads every live cache). What that "
+        "watchdog reads after the end, against a walk of everything: " + "; ".join(ended) + ".",
+        "",
+    ]
+    return lines
 
 
 def report(
@@ -904,10 +1082,14 @@ def report(
             lines.append("")
         else:
             lines += [
-                f"## crash scale (stall): {args.stall_chains} chains x {args.stall_depth} pending `- 1` nodes, "
-                f"{args.stall_steps} steps (cap {args.stall_cap_s:.0f} s a run), default options",
+                f"## crash scale ({workload}): {args.stall_chains} chains x {args.stall_depth} pending `- 1` "
+                f"nodes, {args.stall_steps} steps of {args.stall_step_ms:g} ms device time (cap "
+                f"{args.stall_cap_s:.0f} s a run), a request joining at step {args.stall_join_at} "
+                f"({args.stall_join_depth} nodes), "
+                + ("fix=True" if workload == "stallfix" else "default options"),
                 "",
             ]
+            lines += _kinds_table(variants, res)
             lines.append(
                 "| variant | steps run | worst observe() s | first observe() s | worst after the first ms | "
                 "walks | forecast resident (walked at step) | exact | account() | forecast - exact | "

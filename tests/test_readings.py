@@ -13,6 +13,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import time
 
 import mlx.core as mx
 import pytest
@@ -218,6 +219,76 @@ def test_470k_nodes_in_47_chains_are_read_by_sample_within_5_percent(monkeypatch
     assert f.sampled  # the last readings walked a sample, not all 470k nodes
     # No reading walked more than what fits in the stall bound (a few chains of 10k).
     assert max(walked) <= 3 * 10_000, sorted(walked)[-5:]
+
+
+def test_the_crash_scale_reads_right_with_each_walk_within_the_stall_budget(counter, monkeypatch):
+    # A fifth of the crash scale: 47 caches each holding a pending chain of 2,000 nodes (94k),
+    # default options, 64 further steps of 10 ms, a request joining at step 40 with a short chain
+    # of its own (a continuing epoch); then a short generation on the same caches ends (its end
+    # reads every live cache). Every reading walks its site's clock, then what fits its budget.
+    from mlx_watchdog.core import watchdog as core
+
+    clock = Clock()  # the schedule's clock: every walk due is taken (the sampler times its own)
+    monkeypatch.setattr(core, "time", clock)
+    budgets: list[list[int]] = []  # per reading: [the sampler's node budget, nodes walked]
+    real_read, real_account = sampling.Sampler.read, sampling.account
+
+    def read(self, *args, **kwargs):
+        budgets.append([self.max_nodes, 0])
+        return real_read(self, *args, **kwargs)
+
+    def account(arrays, **kwargs):
+        reading = real_account(arrays, **kwargs)
+        if budgets:
+            budgets[-1][1] += reading.pending_nodes
+        return reading
+
+    monkeypatch.setattr(sampling.Sampler, "read", read)
+    monkeypatch.setattr(sampling, "account", account)
+    depth, chains = 2_000, 47
+    baseline = counter.live(collect=True)
+    caches = [Chain(depth) for _ in range(chains)]
+    times: dict[str, float] = {}
+    rows = []
+
+    def observe(wd, kind, call):
+        walks, started = wd.walks, time.perf_counter()
+        call()
+        times[kind] = max(times.get(kind, 0.0), time.perf_counter() - started)
+        if wd.walks > walks:  # a reading: against the exact count of live buffers
+            f = wd.forecast()
+            rows.append((kind, f.step, f.resident_buffers, counter.live(collect=True) - baseline, f))
+
+    wd = Watchdog(limit=10**6, export=False)
+    for step in range(1, 65):
+        for c in caches:
+            c.step()
+        if step == 40:
+            caches.append(Chain(100))
+        clock.now += 0.01
+        observe(wd, "continuing epoch" if step == 40 else "step", lambda: wd.observe(caches))
+    observe(wd, "generation_ended", wd.generation_ended)
+    known, rate = wd.forecast().rate_known, wd.forecast().buffers_per_step
+    ended = Watchdog(limit=10**6, export=False)
+    for _ in range(3):
+        for c in caches:
+            c.step()
+        clock.now += 0.01
+        observe(ended, "short generation", lambda: ended.observe(caches))
+    observe(ended, "short generation's end", ended.generation_ended)
+
+    table = "\n".join(f"{kind} step {step}: read {read} exact {true}" for kind, step, read, true, _ in rows)
+    print("worst observe() by kind, ms:", {kind: round(t * 1e3, 1) for kind, t in times.items()})
+    print(table)
+    assert {"continuing epoch", "short generation's end"} <= {kind for kind, *_ in rows}, table
+    for _kind, _step, read_, true, _ in rows:
+        assert abs(read_ - true) <= 0.05 * true, table
+    assert known and abs(rate - (chains + 1)) <= 1.0, rate  # 48 chains gain a buffer a step
+    # Each reading walked its clock (one chain, at most ~2,100 nodes here) and then only what its
+    # budget held, plus the small allowance that keeps short chains in turn.
+    longest = depth + 64 + 3
+    for budget, walked in budgets:
+        assert walked <= max(budget, longest) + sampling.SHORT_CHAIN_NODES, budgets
 
 
 DEEP = textwrap.dedent("""

@@ -99,14 +99,15 @@ class Scope:
         return forget
 
 
-def member_of(roots: Any, steps: tuple) -> Any:
-    """The cache (as ``_members`` finds them) that holds the array reached by ``steps``."""
+def member_of(roots: Any, steps: tuple) -> tuple[Any, tuple]:
+    """The cache (as ``_members`` finds them) that holds the array reached by ``steps``, and the
+    steps from that cache to the array."""
     value, depth = roots, 0
     for kind, key in steps:
         if depth >= 2 or kind != "item" or not _container(info(type(value))):
             break
         value, depth = objects.item(value, key), depth + 1
-    return value
+    return value, steps[depth:]
 
 
 def _container(t: objects.TypeInfo) -> bool:

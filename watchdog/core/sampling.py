@@ -14,7 +14,13 @@ change to arrays walked at other steps. The clock is the site's longest chain, w
 reading; gains of arrays walked at other readings would carry those readings' errors along.
 Some arrays take no steps: qwen3_next's mask evaluates the first layer's left_padding each step.
 One seen to gain less than a quarter of its site over 16 steps is read as it was. Arrays never
-walked (a new request's caches) are like those of their own cache walked now.
+walked (a new request's caches) are like those of their own cache walked now; one that joined a
+site already read (a cache added to the observed ones) holds what its site gained since.
+
+A reading never walks more than fits in ``STALL_SECONDS``, beyond each site's reference (one
+chain: the least a reading can walk) and a small allowance that keeps short chains in turn
+(``SHORT_CHAIN_NODES``). At the crash scale (47 chains of 10,000 nodes) that is one chain a
+reading: the others are read from their last walk and the reference's gain.
 
 A buffer that several arrays' graphs share (the index array of a gather over all layers) is
 counted once by a walk of all of them, but by each array walked alone: samples read high by
@@ -38,6 +44,7 @@ INITIAL_SECONDS_PER_NODE = 4e-6  # until learnt on this machine
 STILL_SHARE = 0.25  # an array that gained less than this share of its site's gain is still...
 STILL_TELL_STEPS = 16  # ...over at least these steps between two of its walks
 MIN_SITE_GAIN = 2.0  # ...and at least this gain of its site
+SHORT_CHAIN_NODES = 2_000  # nodes a reading may walk beyond its budget: short chains in turn (a few ms)
 
 
 @dataclasses.dataclass
@@ -169,7 +176,12 @@ class Sampler:
         self._clocks: dict[str, _SiteClock] = {}
         self._turn = 0  # rotates the sampled arrays of each site
         self._walked: dict[tuple, _Walked] = {}  # key -> its last walk
+        # key -> the step an array never walked joined a site already read (a request's caches
+        # added to the observed ones): its chain holds what its site gained since.
+        self._joined: dict[tuple, int] = {}
+        self._present: set[tuple] = set()  # every array's key at the last reading
         self._root_keys: list = []
+        self._keys: dict[int, tuple] = {}  # id(Found) -> its name, for the reading under way
 
     @property
     def max_nodes(self) -> int:
@@ -181,10 +193,18 @@ class Sampler:
             return None
         return sum(s.pending * s.at(step)[0] for s in self._sizes.values())
 
-    def read(self, found: Sequence[Found], step: int, root_keys: Sequence[Any] = ()) -> Reading:
-        """``root_keys[f.root]`` names each root while it lives (an array's path is relative to it)."""
+    def read(
+        self,
+        found: Sequence[Found],
+        step: int,
+        root_keys: Sequence[Any] = (),
+        keys: Sequence[tuple] | None = None,
+    ) -> Reading:
+        """``root_keys[f.root]`` names each root while it lives (an array's path is relative to it);
+        ``keys``, where given, name each array across readings instead (one per array found)."""
         started, cpu_started = time.perf_counter(), graph.cpu_clock()
         self._root_keys = list(root_keys)
+        self._keys = {} if keys is None else {id(f): key for f, key in zip(found, keys)}
         limit = self.max_nodes
         predicted = self.predicted_nodes(step)
         probe = None
@@ -245,6 +265,8 @@ class Sampler:
         self._sizes.clear()
         self._clocks.clear()
         self._walked.clear()
+        self._joined.clear()
+        self._present = set()
 
     # ------------------------------------------------------------------ readings
 
@@ -261,25 +283,29 @@ class Sampler:
 
     def _read_sample(self, found: Sequence[Found], step: int, predicted: float, limit: int) -> Reading:
         evaluated = [is_evaluated(f.array) for f in found]
-        # Pending arrays by site, in turn; those never walked (a request's new caches), by site and
-        # root: their sizes are not their site's, and a root's are alike. A site never seen is walked whole.
+        # Pending arrays by site, in turn; those never walked (a request's new caches, a site never
+        # seen), by site and root: their sizes are not their site's, and a root's are alike.
         groups: dict[tuple[str, int | None], list[int]] = {}
-        chosen: list[int] = []
+        chosen: list[int] = []  # walked whatever they cost: each site's clock, still arrays moved
+        read_before = {
+            f.site for f, done in zip(found, evaluated) if not done and self._history(f) is not None
+        }
         for i, done in enumerate(evaluated):
             if not done:
                 site, last = found[i].site, self._history(found[i])
-                known = last is not None
+                key = self._key(found[i])
+                if last is None and key not in self._present and site in read_before and site in self._clocks:
+                    self._joined.setdefault(key, step)
                 if last is not None and last.still and last.shape != tuple(found[i].array.shape):
                     # A batch change moves a still array too, and no clock carries it there: its
                     # chain is short (the program cuts it), so walk it.
                     chosen.append(i)
-                elif known or site in self._sizes:
-                    groups.setdefault((site, None if known else found[i].root), []).append(i)
                 else:
-                    chosen.append(i)
+                    groups.setdefault((site, None if last is not None else found[i].root), []).append(i)
         references: dict[str, int] = {}
         share = limit / predicted  # of each site's pending arrays, this many walk
         self._turn += 1
+        extra: list[tuple[int, float, bool]] = []  # in turn: nodes expected, first of its group
         for (site, root), indices in groups.items():
             quota = int(len(indices) * share)
             if root is None:  # walked before: its site's reference every time, the others in turn
@@ -289,9 +315,30 @@ class Sampler:
                 quota -= 1
                 if not indices:
                     continue
+            elif site not in self._sizes:  # a site never seen: one of it, whatever it costs
+                chosen.append(indices[0])
+                indices = indices[1:]
+                if not indices:
+                    continue
             k = min(len(indices), max(1, quota))
             start = (self._turn * k) % len(indices)
-            chosen.extend(indices[(start + j) % len(indices)] for j in range(k))
+            for j in range(k):
+                i = indices[(start + j) % len(indices)]
+                extra.append((i, self._expected_nodes(found[i], step), j == 0))
+        # The walk is bounded by the stall budget: beyond the clocks, arrays in turn while their
+        # nodes fit, and the first of each group from a small allowance besides (a few ms), so that
+        # short chains keep rotating however low the budget. Those left out are read from their
+        # last walk and their site's gain, or like their site.
+        room = limit - sum(self._expected_nodes(found[i], step) for i in chosen)
+        allowance = float(SHORT_CHAIN_NODES)
+        for i, expected, first in extra:
+            if expected <= room:
+                room -= expected
+            elif first and expected <= allowance:
+                allowance -= expected
+            else:
+                continue
+            chosen.append(i)
         walked_set = set(chosen)
         # Evaluated arrays go in too (one line each): a pending graph that reads one of them
         # then names it as ours, and it is not counted twice.
@@ -326,8 +373,17 @@ class Sampler:
                     retained[i] = max(0.0, last.retained + gain[0])
                     nodes[i] = max(0.0, last.nodes + gain[1])
                     continue
-                # Never walked: like those of its root walked now, or else like its site.
-                like = [j for j in walked_new if found[j].root == found[i].root] or walked
+                joined = self._joined.get(self._key(found[i]))
+                if joined is not None and self._clocks[site].gained(joined) is not None:
+                    # Joined the site since it was read: what the site gained since (its own
+                    # chain from before, a prompt's, is not known: low by that).
+                    retained[i], nodes[i] = self._clocks[site].since(joined, step)
+                    continue
+                # Never walked: another cache (a request's new one) like those of its own walked
+                # now. The observed roots' own caches mix old chains not walked yet with a joining
+                # request's short ones: like those walked before (high, not low), or else like its site.
+                like = [j for j in walked_new if found[j].root == found[i].root] if found[i].root else []
+                like = like or [j for j in walked if j not in walked_new] or walked
                 if like:
                     retained[i] = sum(retained[j] for j in like) / len(like)
                     nodes[i] = sum(nodes[j] for j in like) / len(like)
@@ -335,8 +391,28 @@ class Sampler:
                     nodes[i], retained[i] = size.at(step)
         return Reading(list(found), evaluated, retained, nodes, len(walked_set), 0.0, walked_set)
 
+    def _expected_nodes(self, f: Found, step: int) -> float:
+        """The nodes ``f``'s graph is expected to have at ``step``: its last walk and its site's
+        growth since; never walked, its site's size (0 for a site never seen)."""
+        size = self._sizes.get(f.site)
+        last = self._history(f)
+        if last is None:
+            joined = self._joined.get(self._key(f))
+            if size is None:
+                return 0.0
+            if joined is not None:
+                return size.nodes_growth * max(0, step - joined)
+            return size.at(step)[0]
+        if last.still or size is None:
+            return last.nodes
+        return last.nodes + size.nodes_growth * max(0, step - last.step)
+
     def _key(self, f: Found) -> tuple:
-        """An array's name across readings: its root (by identity, while it lives) and its path."""
+        """An array's name across readings: the key given for it, or its root (by identity, while
+        it lives) and its path."""
+        key = self._keys.get(id(f))
+        if key is not None:
+            return key
         return (self._root_keys[f.root] if f.root < len(self._root_keys) else f.root, f.path)
 
     def _history(self, f: Found) -> _Walked | None:
@@ -425,7 +501,12 @@ class Sampler:
                 elif key in self._walked:
                     history[key] = self._walked[key]
         self._walked = history
+        present = self._present = {self._key(f) for f in reading.found}
+        self._joined = {
+            key: joined for key, joined in self._joined.items() if key not in history and key in present
+        }
         used = {last.step for last in history.values()} | {last.base[1] for last in history.values()}
+        used |= set(self._joined.values())
         self._clocks = {site: clock for site, clock in self._clocks.items() if site in per_site}
         sizes = {}
         for site, indices in per_site.items():

@@ -572,14 +572,16 @@ class Watchdog:
                 "cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut
             )
         found = result.found
-        reading = self._sampler.read(found, step, root_keys)
+        # Each array by its cache and its steps from it: the same name whether the cache is
+        # walked as part of the roots or alone (generation_ended reads every cache alone).
+        owners = [(members[f.root], f.steps) if f.root else member_of(roots, f.steps) for f in found]
+        reading = self._sampler.read(found, step, root_keys, [(id(m), rest) for m, rest in owners])
         pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
         self._fixer.remember_paths(found, pending)
 
         by_cache: dict[int, _CacheTally] = {}
         sites: dict[str, SiteTally] = {}
-        for f, done, retained in zip(found, reading.evaluated, reading.retained):
-            member = members[f.root] if f.root else member_of(roots, f.steps)
+        for f, (member, _), done, retained in zip(found, owners, reading.evaluated, reading.retained):
             cache = by_cache.get(id(member))
             if cache is None:
                 cache = by_cache[id(member)] = _CacheTally(self._scope.ref(member))
@@ -596,7 +598,7 @@ class Watchdog:
                 site.retained += retained
                 if retained and len(site.paths) < MAX_PATHS_PER_SITE:
                     site.paths.append(f.path)
-        del members
+        del members, owners
 
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers
