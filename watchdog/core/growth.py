@@ -4,6 +4,12 @@ Readings are points ``(step, buffers, epoch)``. An *epoch* is one set of live ca
 between two epochs (a request joined, a cache died) is not growth, so slopes pair points of one
 epoch only (``forecast.epoch_slope``). Each site (``Class.attribute``) has its own series; in fix
 mode, short probes (the fix waits 1-3 steps) measure what the fix cuts at each site.
+
+A leak is long-run growth. A program that evaluates its cache state every N steps (mlx-vlm's
+``BatchGenerator`` every 50) leaves chains that grow and are cut, over and over: a sawtooth. A site
+is read as one once a reading of an epoch sees its retained buffers drop (``Teeth``): from then on
+it grows as its peaks grow, and peaks that do not grow make it *bounded*, no leak. Until a cut is
+seen, a growing chain is a leak, read as fast as any other.
 """
 
 from __future__ import annotations
@@ -21,6 +27,13 @@ if TYPE_CHECKING:
 SAMPLE_WINDOW = 64  # readings kept for the growth-rate fit
 PROBE_WINDOW = 16  # fix-mode probes kept per site
 LEAK_THRESHOLD = 1e-3  # buffers/step below which a site is not reported as leaking
+# A site's retained buffers falling by this share, and by CUT_BUFFERS at least, between two
+# readings of one epoch: the program cut its chains. A leak's chains only grow; a reading that
+# samples them reads high, not low, by a buffer an array at most (sampling.py). A cut of part of a
+# site's chains (the program evaluates some of its caches) is a small share of a long leak.
+CUT_SHARE = 0.02
+CUT_BUFFERS = 2.0
+TEETH_KEPT = 16  # the last cuts' peaks and troughs kept per site
 
 
 @dataclasses.dataclass(slots=True)
@@ -31,6 +44,54 @@ class SiteTally:
     retained: float = 0.0  # buffers the graphs of its pending arrays keep alive
     paths: list[str] = dataclasses.field(default_factory=list)  # some of those pending arrays
     arrays: int = 0
+
+
+class Teeth:
+    """One site's sawtooth in the current epoch: the highest reading before each cut seen (a
+    peak: the true one lies between it and the reading after the cut) and the reading after it
+    (a trough). Readings far apart see a cut now and then, at random phases; readings every step
+    see every peak."""
+
+    def __init__(self) -> None:
+        self.cuts = 0
+        self.peaks: collections.deque[tuple[int, float]] = collections.deque(maxlen=TEETH_KEPT)
+        self.troughs: collections.deque[tuple[int, float]] = collections.deque(maxlen=TEETH_KEPT)
+        self.top: tuple[int, float] | None = None  # the highest reading since the last cut
+        self.growth = 0.0  # of the peaks, per step; 0 until it stands out of the sawtooth
+
+    def read(self, step: int, buffers: float, cut: bool) -> None:
+        if cut and self.top is not None:
+            self.cuts += 1
+            self.peaks.append(self.top)
+            self.troughs.append((step, buffers))
+            self.top = None
+        if self.top is None or buffers >= self.top[1]:
+            self.top = (step, buffers)
+        if self.cuts:
+            self.growth = self._growth()
+
+    @property
+    def peak(self) -> float:
+        """The most the site was read to hold (its peak, as far as the readings saw it)."""
+        return max([b for _, b in self.peaks] + ([self.top[1]] if self.top else []))
+
+    def _growth(self) -> float:
+        """The peaks' slope (Theil-Sen), once it stands out of the sawtooth: the line must rise
+        over the peaks' span by more than the peaks and troughs spread about it. A peak read at
+        a random phase is noise of up to the sawtooth's height; a chain cut once that then grows
+        for good rises past every peak (the highest reading since the last cut joins the peaks
+        when it is their highest)."""
+        peaks = list(self.peaks)
+        if self.top is not None and self.top[1] > max(b for _, b in peaks):
+            peaks.append(self.top)
+        if len(peaks) < 2:
+            return 0.0
+        rate = fc.robust_slope(peaks)
+        if rate <= LEAK_THRESHOLD:
+            return 0.0
+        residuals = [b - rate * at for at, b in peaks + list(self.troughs)]
+        spread = max(residuals) - min(residuals)
+        return rate if rate * (peaks[-1][0] - peaks[0][0]) > spread else 0.0
 
 
 class SiteSeries:
@@ -49,6 +110,23 @@ class SiteSeries:
         self.paths: tuple[str, ...] = ()
         self.buffers = 0.0
         self.retained = 0.0
+        self.epoch: int | None = None  # of the last reading (probes aside)
+        self.last_step = 0
+        self.teeth: Teeth | None = None  # the current epoch's, once the program was seen to cut it
+
+    def read_cuts(self, step: int, buffers: float, retained: float, epoch: int) -> None:
+        """One reading (not fixing): a cut when the retained buffers fell since the last reading
+        of this epoch. Another epoch (caches joined or died) is a jump, no cut, and starts anew."""
+        if epoch != self.epoch:
+            self.teeth = None
+        elif self.retained - retained >= max(CUT_BUFFERS, CUT_SHARE * self.retained):
+            if self.teeth is None:
+                self.teeth = Teeth()
+                self.teeth.read(self.last_step, self.buffers, cut=False)  # the reading before it
+            self.teeth.read(step, buffers, cut=True)
+        elif self.teeth is not None:
+            self.teeth.read(step, buffers, cut=False)
+        self.epoch, self.last_step = epoch, step
 
     def probed_rate(self) -> float | None:
         """What the fix cuts at this site per step, from the probes; None before the first probe.
@@ -70,16 +148,25 @@ class Growth:
         self.samples: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
         self.sites: dict[str, SiteSeries] = {}
         self.leaks: tuple[fc.Leak, ...] = ()
+        self.bounded: tuple[fc.Bounded, ...] = ()  # sites the program cuts, whose peaks do not grow
+        self.peak_excess = 0.0  # what those sites hold at their peaks beyond the last reading
         self.rate = 0.0
         self.known = False  # two readings of one epoch have measured the rate
         self.probed: float | None = None  # what the fix cuts per step, over all sites
         self.growing: set[str] | None = None  # sites the probes saw grow; None: not probed yet
 
     def record(
-        self, step: int, epoch: int, sites: dict[str, SiteTally], sample: float | None, probe: Probe | None
+        self,
+        step: int,
+        epoch: int,
+        sites: dict[str, SiteTally],
+        sample: float | None,
+        probe: Probe | None,
+        fixing: bool = False,
     ) -> None:
         """One reading. ``sample``: the buffers to fit the rate on (None: no sample, e.g. an empty
-        cache). ``probe``: the fix-mode probe this reading ends (its growth per site)."""
+        cache). ``probe``: the fix-mode probe this reading ends (its growth per site). ``fixing``:
+        the fix cuts chains now, so a cut is no longer the program's."""
         for site, tally in sites.items():
             series = self.sites.get(site) or self.sites.setdefault(site, SiteSeries())
             buffers = tally.held + tally.retained
@@ -89,14 +176,31 @@ class Growth:
                 series.growth.append((buffers - before) / max(1, step - probe.start))
             else:
                 series.total.append((step, buffers, epoch))
+                if fixing:
+                    series.teeth = None
+                else:
+                    series.read_cuts(step, buffers, tally.retained, epoch)
             series.buffers, series.retained = buffers, tally.retained
             if tally.paths:
                 series.paths = tuple(tally.paths)
         if probe is None and sample is not None:
             self.samples.append((step, sample, epoch))
-            rate = fc.epoch_slope(self.samples)
+            rate = self._long_run_rate()
             if rate is not None:
                 self.rate, self.known = rate, True
+
+    def _long_run_rate(self) -> float | None:
+        """The slope of the samples, with each site the program cuts counted by its peaks' growth
+        instead of its readings (a sawtooth read at random phases is no line)."""
+        cut = [series for series in self.sites.values() if series.teeth is not None]
+        if not cut:
+            return fc.epoch_slope(self.samples)
+        held = [{at: b for at, b, _ in series.total} for series in cut]
+        rest = [(at, round(y - sum(h.get(at, 0.0) for h in held), 6), e) for at, y, e in self.samples]
+        rate = fc.epoch_slope(rest)
+        if rate is None:
+            return None
+        return rate + sum(series.teeth.growth for series in cut if series.teeth is not None)
 
     def site_buffers(self) -> dict[str, float]:
         return {site: s.buffers for site, s in self.sites.items()}
@@ -110,7 +214,8 @@ class Growth:
 
     def update_leaks(self, fixing: bool) -> None:
         """Per-site rates, once per reading (not per step or per scrape)."""
-        leaks, probed, growing = [], [], set()
+        leaks, probed, growing, bounded = [], [], set(), []
+        excess = 0.0
         for site, series in self.sites.items():
             site_probed = series.probed_rate()
             grows = site_probed is not None and site_probed > LEAK_THRESHOLD
@@ -118,6 +223,22 @@ class Growth:
                 probed.append(site_probed)
                 if grows:
                     growing.add(site)
+            teeth = series.teeth
+            if teeth is not None and not fixing:
+                # The program cuts it: its peaks say whether it grows; either way the limit is
+                # counted from its peak.
+                excess += max(0.0, teeth.peak - series.buffers)
+                if teeth.growth > LEAK_THRESHOLD:
+                    leaks.append(
+                        fc.Leak(site, series.paths, teeth.growth, int(round(series.buffers)), sawtooth=True)
+                    )
+                else:
+                    bounded.append(
+                        fc.Bounded(
+                            site, series.paths, int(round(teeth.peak)), int(round(series.buffers)), teeth.cuts
+                        )
+                    )
+                continue
             if fixing and site_probed is not None:
                 # The fix cuts the chains, so the series stays flat; the probes saw the growth it cuts.
                 site_rate = site_probed
@@ -133,6 +254,9 @@ class Growth:
             elif site_rate > LEAK_THRESHOLD:
                 leaks.append(fc.Leak(site, series.paths, site_rate, int(round(series.buffers))))
         leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
+        bounded.sort(key=lambda site: site.peak_buffers, reverse=True)
         self.leaks = tuple(leaks)
+        self.bounded = tuple(bounded)
+        self.peak_excess = excess
         self.probed = sum(probed) if probed else None
         self.growing = growing if probed else None

@@ -1,0 +1,158 @@
+"""A sawtooth is no leak: a program that evaluates its cache state every N steps leaves chains that
+grow and are cut, over and over. Its peaks decide: peaks that do not grow read 0/step, no leak site,
+the site marked bounded, the headroom counted from the peak and no stop; peaks that grow read their
+growth. Checked against the exact live-buffer count.
+
+The program here is mlx-vlm 0.7.10's ``BatchGenerator`` cadence (``mlx_vlm/generate/ar.py``,
+``BatchGenerator._next``): after each decode step, every ``MLX_VLM_BATCH_CACHE_EVAL_INTERVAL``
+(default 50) steps, ``mx.eval([c.state for c in prompt_cache])`` then ``mx.clear_cache()``. Its
+caches are mlx-lm's own ``ArraysCache``, whose ``advance`` rebinds ``left_padding`` to a pending
+array each step (the attribute ``state`` returns, so the eval cuts it). The watchdog runs with its
+default options on a clock where a decode step takes 1/61 s (a walk every ~31 steps once the
+dense walks are done, at phases that drift through the sawtooth, as on a real decode).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache
+
+from mlx_watchdog import Watchdog
+from mlx_watchdog.core import watchdog as core
+
+SITE = "ArraysCache.left_padding"
+STEP_SECONDS = 1 / 61  # a decode step on the watchdog's clock: 0.5 s of decode is ~31 steps
+LIMIT = 100_000
+
+
+class Clock:
+    """The core's clock, moved by the test: a decode step takes STEP_SECONDS."""
+
+    now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+    monotonic = perf_counter
+
+
+def make_caches(n):
+    caches = [ArraysCache(2, left_padding=[1, 0]) for _ in range(n)]
+    for c in caches:
+        c[0] = mx.zeros((2, 4))
+    mx.eval([c.state for c in caches])
+    return caches
+
+
+def decode(wd, clock, counter, caches, evaluated, interval, steps, on_step=None):
+    """``steps`` decode steps of mlx-vlm's BatchGenerator over ``caches``: each advances every
+    cache, and every ``interval`` steps the state of ``evaluated`` is evaluated and MLX's cache
+    cleared. Returns the exact live count after each step, from before the caches were made."""
+    live = []
+    for n in range(1, steps + 1):
+        clock.now += STEP_SECONDS
+        wd.observe(caches)
+        for c in caches:
+            c.advance(1)
+        if n % interval == 0:
+            mx.eval([c.state for c in evaluated])
+            mx.clear_cache()
+        live.append(counter.live())
+        if on_step is not None:
+            on_step(n)
+    return live
+
+
+def exact_peaks(live):
+    """(step, count) of each peak of the exact count: the last step before it drops."""
+    return [(n, live[n - 1]) for n in range(1, len(live)) if live[n] < live[n - 1]]
+
+
+def peak_growth(peaks):
+    """Per step, the growth of the peaks (Theil-Sen, as the truth needs no robustness: exact)."""
+    slopes = [(b - a) / (t - s) for i, (s, a) in enumerate(peaks) for t, b in peaks[i + 1 :]]
+    return statistics.median(slopes)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(core, "time", clock)
+    return clock
+
+
+@pytest.mark.parametrize("interval", [8, 50, 256])
+def test_a_bounded_sawtooth_reads_no_leak_and_its_peak(counter, clock, interval):
+    base = counter.live()
+    caches = make_caches(2)
+    wd = Watchdog(limit=LIMIT)
+    seen = {}
+
+    def check(n):
+        f = wd.forecast()
+        if not seen and f.bounded:
+            seen["bounded"] = n
+            wd.stop_within = 1e12  # from here any growth read at all would stop it
+        if seen:
+            assert f.buffers_per_step == 0 and f.leaks == (), (n, f.describe())
+            assert math.isinf(f.steps_to_limit), (n, f.describe())
+
+    live = decode(wd, clock, counter, caches, caches, interval, max(1500, 12 * interval), check)
+    live = [x - base for x in live]
+    peaks = exact_peaks(live)
+    assert len({count for _, count in peaks}) == 1  # the truth: the peaks do not grow
+    f = wd.forecast()
+    (site,) = f.bounded
+    assert site.site == SITE and site.cuts >= 1
+    assert seen["bounded"] <= 64 + interval + 2 * 31  # the first cut read, within two walks after it
+    assert wd.stops["forecast"] == 0
+    # The headroom is counted from the peak: what the readings saw of it, within one walk's rise
+    # (two buffers a step) below the exact peak.
+    peak = peaks[0][1]
+    assert peak - 2 * 31 <= f.peak_resident_buffers <= peak
+    assert f.peak_resident_buffers >= f.resident_buffers
+    assert "bounded: " + SITE in f.describe()
+
+
+@pytest.mark.parametrize("interval", [8, 50, 256])
+def test_a_sawtooth_whose_peaks_grow_reads_their_growth(counter, clock, interval):
+    base = counter.live()
+    caches = make_caches(3)
+    wd = Watchdog(limit=LIMIT)
+    # The program evaluates two of the three caches: its peaks grow a buffer a step.
+    live = decode(wd, clock, counter, caches, caches[:2], interval, max(1500, 16 * interval))
+    live = [x - base for x in live]
+    truth = peak_growth(exact_peaks(live)[-8:])
+    assert truth == pytest.approx(1.0, abs=0.05)
+    f = wd.forecast()
+    assert f.bounded == ()
+    (leak,) = f.leaks
+    assert leak.site == SITE and leak.sawtooth
+    assert leak.buffers_per_step == pytest.approx(truth, rel=0.15)
+    assert f.buffers_per_step == pytest.approx(truth, rel=0.15)
+    assert math.isfinite(f.steps_to_limit)
+
+
+def test_a_leak_the_program_never_cuts_is_read_as_fast_as_before(counter, clock):
+    """No cut, no sawtooth: a chain that only grows is a leak from its first readings."""
+    base = counter.live()
+    caches = make_caches(2)
+    wd = Watchdog(limit=LIMIT)
+    read = {}
+
+    def check(n):
+        f = wd.forecast()
+        if "at" not in read and f.leaks:
+            read["at"] = n
+
+    live = decode(wd, clock, counter, caches, [], 10**9, 200, check)
+    assert read["at"] <= 4  # the dense walks at steps 2 and 3 read it
+    f = wd.forecast()
+    assert f.bounded == () and not f.leaks[0].sawtooth
+    truth = (live[-1] - live[99]) / 100
+    assert f.buffers_per_step == pytest.approx(truth, rel=0.02)
+    del base
