@@ -9,13 +9,21 @@ The program here is mlx-vlm 0.7.10's ``BatchGenerator`` cadence (``mlx_vlm/gener
 caches are mlx-lm's own ``ArraysCache``, whose ``advance`` rebinds ``left_padding`` to a pending
 array each step (the attribute ``state`` returns, so the eval cuts it). The watchdog runs with its
 default options on a clock where a decode step takes 1/61 s (a walk every ~31 steps once the
-dense walks are done, at phases that drift through the sawtooth, as on a real decode).
+dense walks are done, at phases that drift through the sawtooth, as on a real decode). Where
+mlx-vlm 0.7.10 is installed (the peer servers' environment under ``~/.cache/mlx-watchdog/peers``),
+its source is read to check that this is its cadence.
 """
 
 from __future__ import annotations
 
+import ast
 import math
+import os
+import re
 import statistics
+import sys
+import warnings
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -156,3 +164,46 @@ def test_a_leak_the_program_never_cuts_is_read_as_fast_as_before(counter, clock)
     truth = (live[-1] - live[99]) / 100
     assert f.buffers_per_step == pytest.approx(truth, rel=0.02)
     del base
+
+
+# --------------------------------------------------------------------------- mlx-vlm's own cadence
+
+
+def installed_mlx_vlm_batch_generator() -> Path | None:
+    """mlx-vlm's ``generate/ar.py`` in the peer servers' environment, where it was built."""
+    root = Path(
+        os.environ.get("MLX_WATCHDOG_PEERS_CACHE") or Path.home() / ".cache" / "mlx-watchdog" / "peers"
+    )
+    found = sorted(root.glob("*/lib/python*/site-packages/mlx_vlm/generate/ar.py"))
+    return found[-1] if found else None
+
+
+def test_the_cadence_reproduced_is_mlx_vlm_s_own():
+    """Read, not imported (importing mlx-vlm takes half a minute): its BatchGenerator evaluates the
+    state of every cache of the batch every 50 steps, after the step, then clears MLX's cache."""
+    source = installed_mlx_vlm_batch_generator()
+    if source is None:
+        message = (
+            "mlx-vlm is not installed here (the peer servers' environment under "
+            "~/.cache/mlx-watchdog/peers): its BatchGenerator's cadence is not checked against its source"
+        )
+        print(f"\n*** WARNING: {message} ***", file=sys.stderr)
+        warnings.warn(message, stacklevel=1)
+        pytest.skip(f"*** {message} ***")
+    text = source.read_text(encoding="utf-8")
+    tree = ast.parse(text)
+    default = next(
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["DEFAULT_CACHE_EVAL_INTERVAL"]
+    )
+    assert default == 50
+    (generator,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BatchGenerator"]
+    (step,) = [n for n in generator.body if isinstance(n, ast.FunctionDef) and n.name == "_next"]
+    code = ast.get_source_segment(text, step)
+    decoded = code.index("self._generation_batch.next()")
+    due = re.search(r"self\._steps_counter % self\._cache_eval_interval == 0", code)
+    assert due is not None and due.start() > decoded  # after the decode step
+    evaluated = code.index("mx.eval(", due.end())
+    assert "c.state for c in self._generation_batch.prompt_cache" in code[evaluated:]
+    assert code.index("mx.clear_cache()", evaluated) > evaluated
