@@ -621,7 +621,7 @@ class Watchdog:
         epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
         fixing = self.fix and self._fixer.fixed_once
         with self._lock:
-            self._growth.record(step, epoch, sites, sample, probe, fixing)
+            self._growth.record(step, epoch, sites, sample, probe, fixing, reading.sampled)
             self._growth.update_leaks(fixing)
             self._last = _LastReading(
                 step,
