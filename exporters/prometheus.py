@@ -66,6 +66,13 @@ _SPECS = (
         "cache arrays and the buffers that pending lazy graphs keep alive.",
     ),
     _Spec(
+        "mlx_watchdog_peak_resident_buffers",
+        "gauge",
+        "Buffers resident at the peaks of the sawtooth of sites the program cuts itself (a "
+        "program that evaluates its cache state every N steps): resident_buffers plus what those "
+        "sites hold at their peaks beyond now. The steps to the limit count from it.",
+    ),
+    _Spec(
         "mlx_watchdog_resource_limit_buffers",
         "gauge",
         "The buffer limit the forecast counts against (Metal's resource_limit; 499000 where the "
@@ -120,6 +127,14 @@ _SPECS = (
         "gauge",
         "Buffers per decode step a leaking site would add, which the fix cuts (Watchdog(fix=True)): "
         'the leak is there, the fix repairs it; site="other" as for the unrepaired ones.',
+        ("site",),
+    ),
+    _Spec(
+        "mlx_watchdog_bounded_site_peak_buffers",
+        "gauge",
+        "Buffers a bounded site holds at its peak: a site whose chains the program itself cuts "
+        "now and then (it evaluates its cache state every N steps) and whose peaks do not grow. "
+        "A sawtooth, no leak: it costs headroom, not steps. One series per such site now.",
         ("site",),
     ),
     _Spec(
@@ -318,6 +333,7 @@ class WatchdogCollector:
             per_step, steps_left, seconds_left = f.buffers_per_step, f.steps_to_limit, f.seconds_to_limit
         rows: list[tuple[str, tuple, float]] = [
             ("mlx_watchdog_resident_buffers", base, f.resident_buffers),
+            ("mlx_watchdog_peak_resident_buffers", base, f.peak_resident_buffers),
             ("mlx_watchdog_resource_limit_buffers", base, f.limit),
             ("mlx_watchdog_buffers_per_step", base, per_step),
             ("mlx_watchdog_steps_to_limit", base, steps_left),
@@ -389,6 +405,12 @@ class WatchdogCollector:
                 # Not decoding, nothing grows now: the sites stay, at 0 (no alert for an idle server).
                 rows += [(name, base + (site,), v if f.decoding else 0.0) for site, v in ranked]
         rows.append(("mlx_watchdog_folded_leak_sites", base, folded))
+        # Bounded sites: the biggest peaks, as many as the cap allows (no "other": they add no steps).
+        peaks: dict[str, float] = {}
+        for site in f.bounded:
+            peaks[str(site.site)] = max(peaks.get(str(site.site), 0.0), float(site.peak_buffers))
+        ranked = sorted(peaks.items(), key=lambda kv: (-kv[1], kv[0]))[: self.max_sites]
+        rows += [("mlx_watchdog_bounded_site_peak_buffers", base + (site,), v) for site, v in ranked]
         return rows
 
     def _assign_labels(self, watchdogs: list[Watchdog]) -> dict[Watchdog, str]:

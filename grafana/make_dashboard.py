@@ -436,15 +436,28 @@ def build() -> dict:
             "Resident buffers vs limit",
             "Number of Metal buffers alive in the process after each decode step (solid), against Metal's "
             "resource limit (dashed red). A healthy decode is flat; a leak is a straight ramp toward the "
-            "dashed line, and the crash happens where they meet.",
+            "dashed line, and the crash happens where they meet. A program that cuts its own chains now "
+            "and then (it evaluates its cache state every N steps) makes a sawtooth: the dashed line of its "
+            "color is the count at the sawtooth's peaks, where the steps to the limit are counted from.",
             [
                 target(f"mlx_watchdog_resident_buffers{{{SEL}}}", ref="A"),
                 target(
                     f"max(mlx_watchdog_resource_limit_buffers{{{SEL}}})", legend="resource limit", ref="B"
                 ),
+                target(
+                    f"mlx_watchdog_peak_resident_buffers{{{SEL}}} > mlx_watchdog_resident_buffers{{{SEL}}}",
+                    ref="C",
+                    legend="at the sawtooth's peak: {{watchdog}} {{instance}} {{rank}}",
+                ),
             ],
             "short",
-            overrides=[fixed_color_override("resource limit", "red")],
+            overrides=[
+                fixed_color_override("resource limit", "red"),
+                {
+                    "matcher": {"id": "byFrameRefID", "options": "C"},
+                    "properties": [{"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}}],
+                },
+            ],
             minimum=0,
             decimals=0,
         ),
@@ -494,6 +507,27 @@ def build() -> dict:
                     "properties": [{"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}}],
                 }
             ],
+        ),
+        w=12,
+        h=8,
+    )
+    L.add(
+        timeseries(
+            "Bounded sites: peak buffers (cut by the program, no leak)",
+            "Cache attributes whose lazy chains the program itself cuts now and then (it evaluates its "
+            "cache state every N steps, as mlx-vlm's BatchGenerator does every 50) and whose peaks do not "
+            "grow: a sawtooth, not a leak. Each line is the buffers the site holds at its peak, which the "
+            "forecast counts the limit from; no leak alert fires for it. A site whose peaks grow is a leak, "
+            "shown in 'Leak per site' at the growth of its peaks.",
+            [
+                target(
+                    f"mlx_watchdog_bounded_site_peak_buffers{{{SEL}}}",
+                    legend="{{site}} {{watchdog}} {{instance}} {{rank}}",
+                )
+            ],
+            "short",
+            minimum=0,
+            decimals=0,
         ),
         w=12,
         h=8,

@@ -57,6 +57,8 @@ from mlx_watchdog.tiny import build_model, tiny_prompts
 # exporter's own table.
 GAUGES = {
     "mlx_watchdog_resident_buffers",
+    "mlx_watchdog_peak_resident_buffers",
+    "mlx_watchdog_bounded_site_peak_buffers",
     "mlx_watchdog_resource_limit_buffers",
     "mlx_watchdog_buffers_per_step",
     "mlx_watchdog_steps_to_limit",
@@ -87,6 +89,7 @@ COUNTERS = {  # sample names; the family names lack "_total"
 EXTRA_LABELS = {
     "mlx_watchdog_leak_buffers_per_step": {"site"},
     "mlx_watchdog_fixed_leak_buffers_per_step": {"site"},
+    "mlx_watchdog_bounded_site_peak_buffers": {"site"},
     "mlx_watchdog_stops_total": {"reason"},
     "mlx_watchdog_info": {"version", "mlx_version", "mlx_lm_version", "device", "fix"},
 }
@@ -169,6 +172,31 @@ def fixed():
     decode.close()
 
 
+class SawtoothCache:
+    def __init__(self):
+        self.offset = mx.array(0)
+
+
+@pytest.fixture(scope="module")
+def sawtooth(counter):
+    """Two chains the program cuts every 8 steps (it evaluates its cache state): bounded, no
+    leak. The exact count after each step goes with it."""
+    base = counter.live()
+    caches = [SawtoothCache(), SawtoothCache()]
+    mx.eval([c.offset for c in caches])
+    wd = Watchdog(name="exp-sawtooth", overhead_budget=0.5, walk_interval=0)
+    live = []
+    for n in range(1, 61):
+        wd.observe(caches)
+        for c in caches:
+            c.offset = c.offset - 1
+        if n % 8 == 0:
+            mx.eval([c.offset for c in caches])
+        live.append(counter.live() - base)
+    yield wd, live
+    wd.export = False
+
+
 @pytest.fixture
 def registry():
     reg = CollectorRegistry()
@@ -179,7 +207,7 @@ def registry():
 # --------------------------------------------------------------------------- exposition
 
 
-def test_promtool_check_metrics_has_no_findings(leaky, flat, fixed, registry):
+def test_promtool_check_metrics_has_no_findings(leaky, flat, fixed, sawtooth, registry):
     promtool = require_binary("promtool")
     prefill = Watchdog(name="exp-prefill")  # fills the families a decode leaves empty
     # the readings a prefill guard installed on the watchdog gives its forecast
@@ -218,6 +246,7 @@ def test_names_types_help_and_labels(leaky, flat):
         for sample_name in (GAUGES | COUNTERS) - {
             "mlx_watchdog_leak_buffers_per_step",
             "mlx_watchdog_fixed_leak_buffers_per_step",
+            "mlx_watchdog_bounded_site_peak_buffers",
             "mlx_watchdog_prefill_graph_nodes",
             "mlx_watchdog_max_safe_prefill_tokens",
         }:
@@ -787,6 +816,32 @@ def test_site_series_are_capped_and_the_rest_summed_into_other():
         collector.max_sites = 1
     with pytest.raises(ValueError, match="max_sites"):
         exporter.WatchdogCollector([wd], max_sites=True)
+
+
+def test_a_bounded_site_is_exported_with_its_peak_and_leaks_nothing(sawtooth, registry):
+    wd, live = sawtooth
+    f = wd.forecast()
+    (bounded,) = f.bounded
+    assert bounded.site == "SawtoothCache.offset"
+    # The truth: the count comes back to the same peak before each cut. Walked every step, the
+    # readings see that peak (the count at the entry of the step that cuts).
+    peaks = {live[n - 1] for n in range(1, len(live)) if live[n] < live[n - 1]}
+    assert len(peaks) == 1 and bounded.peak_buffers == max(peaks)
+    families = scrape(registry)
+    mine = {"watchdog": "exp-sawtooth"}
+    exported = value(families, "mlx_watchdog_bounded_site_peak_buffers", site=bounded.site, **mine)
+    assert exported == bounded.peak_buffers
+    # It read as a leak before the first cut was seen: its leak series stays, at 0.
+    leak_series = samples(families, "mlx_watchdog_leak_buffers_per_step", **mine)
+    assert [s.value for s in leak_series] in ([], [0.0])
+    assert value(families, "mlx_watchdog_buffers_per_step", **mine) == 0
+    assert value(families, "mlx_watchdog_steps_to_limit", **mine) == math.inf
+    peak = value(families, "mlx_watchdog_peak_resident_buffers", **mine)
+    assert peak == f.peak_resident_buffers >= value(families, "mlx_watchdog_resident_buffers", **mine)
+    assert (
+        peak - value(families, "mlx_watchdog_resident_buffers", **mine)
+        == bounded.peak_buffers - bounded.buffers
+    )
 
 
 # The label text: a dict key that is not a short identifier of a code-defined structure is a placeholder.

@@ -60,6 +60,8 @@ CONTRACT = frozenset(
     {
         # gauges
         "mlx_watchdog_resident_buffers",
+        "mlx_watchdog_peak_resident_buffers",
+        "mlx_watchdog_bounded_site_peak_buffers",
         "mlx_watchdog_resource_limit_buffers",
         "mlx_watchdog_buffers_per_step",
         "mlx_watchdog_steps_to_limit",
@@ -473,6 +475,9 @@ def synthetic_openmetrics(end: int) -> str:
         to_limit = [(limit - r) / growth if growth else math.inf for r in resident]
         n = len(times)
         add("mlx_watchdog_resident_buffers", labels, resident)
+        # A site the program cuts every 50 steps (a sawtooth of 80 buffers): bounded, no leak.
+        add("mlx_watchdog_peak_resident_buffers", labels, [r + 80 for r in resident])
+        add("mlx_watchdog_bounded_site_peak_buffers", {**labels, "site": "BatchKVCache.offset"}, [258.0] * n)
         add("mlx_watchdog_resource_limit_buffers", labels, [limit] * n)
         add("mlx_watchdog_buffers_per_step", labels, [growth] * n)
         add("mlx_watchdog_steps_to_limit", labels, to_limit)
@@ -505,6 +510,7 @@ def synthetic_openmetrics(end: int) -> str:
         add("mlx_watchdog_info", info, [1.0] * n)
         add("mlx_watchdog_steps_total", labels, steps)
         add("mlx_watchdog_materialized_arrays_total", labels, [40 * s for s in steps])
+        add("mlx_watchdog_fix_failures_total", labels, [float(i // 20) for i in range(n)])
         add("mlx_watchdog_reclaimed_buffers_total", labels, [(40 - growth) * s for s in steps])
         stops = [float(stop_reason is not None and t >= end - 4 * SCRAPE) for t in times]
         add("mlx_watchdog_stops_total", {**labels, "reason": stop_reason or "forecast"}, stops)

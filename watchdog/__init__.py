@@ -23,13 +23,14 @@ if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports on 
     from .core.actions import ResourceLimitForecast
     from .core.arrays import find_arrays
     from .core.fix import materialize
-    from .core.forecast import Forecast, Leak
+    from .core.forecast import Bounded, Forecast, Leak
     from .core.watchdog import Watchdog, live_watchdogs
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Watchdog",
+    "Bounded",
     "Forecast",
     "Leak",
     "ResourceLimitForecast",
@@ -49,6 +50,7 @@ __all__ = [
 _LAZY = {
     "Watchdog": "core.watchdog",
     "live_watchdogs": "core.watchdog",
+    "Bounded": "core.forecast",
     "Forecast": "core.forecast",
     "Leak": "core.forecast",
     "ResourceLimitForecast": "core.actions",

@@ -25,6 +25,23 @@ class Leak:
     # Where the program rebinds the attribute, found once by a short probe (attribution.py):
     # "mlx_lm/models/cache.py:685 ArraysCache.advance"; None until found (or not findable).
     source: str | None = None
+    # The program itself cuts this site's chains now and then (a sawtooth), and its peaks grow:
+    # buffers_per_step is the growth of the peaks, not of a chain between two cuts.
+    sawtooth: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Bounded:
+    """A site whose chains the program itself cuts now and then (it evaluates its cache state
+    every N steps) and whose peaks do not grow: a sawtooth, no leak. It costs headroom, not
+    steps: the forecast counts the limit from its peak."""
+
+    site: str
+    paths: tuple[str, ...]
+    peak_buffers: int  # the most the site was read to hold, just before a cut
+    buffers: int  # buffers held at the site at the last measurement
+    cuts: int  # the program's cuts seen (readings far apart see fewer than there are)
+    source: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +77,11 @@ class Forecast:
     # from MLX's counter; on Metal without one, a margin for buffers in flight): steps_to_limit
     # is (limit - resident_buffers - reserved_buffers) / buffers_per_step.
     reserved_buffers: int = 0
+    # Sites the program cuts itself and whose peaks do not grow (biggest peak first): no leak.
+    bounded: tuple[Bounded, ...] = ()
+    # The resident count at the sawtooth's peaks (resident_buffers plus what each site the program
+    # cuts holds at its peak beyond now): steps_to_limit counts the headroom from it.
+    peak_resident_buffers: int = 0
 
     @property
     def limit_step(self) -> float:
@@ -71,6 +93,7 @@ class Forecast:
             ", ".join(
                 f"{leak.site} +{leak.buffers_per_step:.3g}/step"
                 + (" (cut by the fix)" if leak.cut else "")
+                + (" (its peaks; the program cuts it now and then)" if leak.sawtooth else "")
                 + (f" [{leak.source}]" if leak.source else "")
                 for leak in self.leaks[:3]
             )
@@ -86,9 +109,18 @@ class Forecast:
             if math.isinf(self.steps_to_limit)
             else f"limit in {_fmt(self.steps_to_limit)} steps ({_fmt(self.seconds_to_limit)} s)"
         )
+        bounded = "".join(
+            f"; bounded: {site.site} (peak {site.peak_buffers} buffers, the program cuts it)"
+            for site in self.bounded[:3]
+        )
+        peak = (
+            f" (peak {self.peak_resident_buffers})"
+            if self.peak_resident_buffers > self.resident_buffers
+            else ""
+        )
         return (
-            f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, "
-            f"{self.buffers_per_step:+.3g}/step, {when}{idle}; leak sites: {top}"
+            f"step {self.step}: {self.resident_buffers}{peak} of {self.limit} buffers, "
+            f"{self.buffers_per_step:+.3g}/step, {when}{idle}; leak sites: {top}{bounded}"
         )
 
 

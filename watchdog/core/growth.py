@@ -4,6 +4,12 @@ Readings are points ``(step, buffers, epoch)``. An *epoch* is one set of live ca
 between two epochs (a request joined, a cache died) is not growth, so slopes pair points of one
 epoch only (``forecast.epoch_slope``). Each site (``Class.attribute``) has its own series; in fix
 mode, short probes (the fix waits 1-3 steps) measure what the fix cuts at each site.
+
+A leak is long-run growth. A program that evaluates its cache state every N steps (mlx-vlm's
+``BatchGenerator`` every 50) leaves chains that grow and are cut, over and over: a sawtooth. A site
+is read as one once a reading of an epoch sees its retained buffers drop (``Teeth``): from then on
+it grows as its peaks grow, and peaks that do not grow make it *bounded*, no leak. Until a cut is
+seen, a growing chain is a leak, read as fast as any other.
 """
 
 from __future__ import annotations
@@ -21,6 +27,19 @@ if TYPE_CHECKING:
 SAMPLE_WINDOW = 64  # readings kept for the growth-rate fit
 PROBE_WINDOW = 16  # fix-mode probes kept per site
 LEAK_THRESHOLD = 1e-3  # buffers/step below which a site is not reported as leaking
+# A site's retained buffers falling by CUT_BUFFERS or more between two readings of one epoch, its
+# arrays as many or more: the program cut its chains. A leak's chains only grow. A reading that
+# samples them reads high, not low, by a buffer an array that several share (sampling.py): after
+# one, a cut must be more than CUT_PER_ARRAY a pending array. A cut of part of a site's chains
+# (the program evaluates some of its caches) may be a small share of a long leak.
+CUT_BUFFERS = 2.0
+CUT_PER_ARRAY = 2.0
+TEETH_KEPT = 16  # the last cuts' peaks and troughs kept per site
+# A tooth this many times longer than any seen, over OVERDUE_READINGS readings at least (far
+# apart, they see a cut at random phases: 8 rising in a row is a chance of 1 in 40,320): the
+# program no longer cuts the site.
+OVERDUE = 4
+OVERDUE_READINGS = 8
 
 
 @dataclasses.dataclass(slots=True)
@@ -31,6 +50,74 @@ class SiteTally:
     retained: float = 0.0  # buffers the graphs of its pending arrays keep alive
     paths: list[str] = dataclasses.field(default_factory=list)  # some of those pending arrays
     arrays: int = 0
+
+
+class Teeth:
+    """One site's sawtooth: the highest reading before each cut seen (a peak: the true one lies
+    between it and the reading after the cut) and the reading after it (a trough). Readings far
+    apart see a cut now and then, at random phases; readings every step see every peak.
+
+    Caches that join or leave a busy batch move the site's level (a new epoch): the program goes
+    on cutting the caches that stay, so the site stays a sawtooth, but peaks of two epochs are no
+    line. A tooth that goes on ``OVERDUE`` times longer than any seen ends it: the program no
+    longer cuts this site, and what grows then is a leak."""
+
+    def __init__(self, epoch: int, start: int) -> None:
+        self.epoch = epoch
+        self.cuts = 0
+        # (step, buffers, epoch)
+        self.peaks: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=TEETH_KEPT)
+        self.troughs: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=TEETH_KEPT)
+        self.top: tuple[int, float] | None = None  # the highest reading since the last cut
+        self.growth = 0.0  # of the peaks, per step; 0 until it stands out of the sawtooth
+        self.tooth_start = start  # the step of the last cut seen (or the epoch's first reading)
+        self.longest = 1  # steps between two cuts seen, at most
+        self.readings = 0  # since the last cut
+
+    def new_epoch(self, epoch: int, step: int, buffers: float) -> None:
+        self.epoch, self.top, self.growth = epoch, (step, buffers), 0.0
+
+    def overdue(self, step: int) -> bool:
+        return self.readings >= OVERDUE_READINGS and step - self.tooth_start > OVERDUE * self.longest
+
+    def read(self, step: int, buffers: float, cut: bool) -> None:
+        if cut and self.top is not None:
+            self.cuts += 1
+            self.peaks.append((*self.top, self.epoch))
+            self.troughs.append((step, buffers, self.epoch))
+            self.longest = max(self.longest, step - self.tooth_start)
+            self.tooth_start, self.top, self.readings = step, None, 0
+        self.readings += 1
+        if self.top is None or buffers >= self.top[1]:
+            self.top = (step, buffers)
+        self.growth = self._growth()
+
+    @property
+    def peak(self) -> float:
+        """The most the site was read to hold (its peak, as far as the readings saw it; a peak of
+        an epoch before counts too, until TEETH_KEPT cuts later)."""
+        return max([b for _, b, _ in self.peaks] + ([self.top[1]] if self.top else []))
+
+    def _growth(self) -> float:
+        """The peaks' slope (Theil-Sen) in this epoch, once it stands out of the sawtooth: the line
+        must rise over the peaks' span by more than the peaks and troughs spread about it. A peak
+        read at a random phase is noise of up to the sawtooth's height; a chain cut once that then
+        grows for good rises past every peak (the highest reading since the last cut joins the
+        peaks when it is their highest)."""
+        peaks = [(at, b) for at, b, epoch in self.peaks if epoch == self.epoch]
+        if not peaks:
+            return 0.0
+        if self.top is not None and self.top[1] > max(b for _, b in peaks):
+            peaks.append(self.top)
+        if len(peaks) < 2:
+            return 0.0
+        rate = fc.robust_slope(peaks)
+        if rate <= LEAK_THRESHOLD:
+            return 0.0
+        troughs = [(at, b) for at, b, epoch in self.troughs if epoch == self.epoch]
+        residuals = [b - rate * at for at, b in peaks + troughs]
+        spread = max(residuals) - min(residuals)
+        return rate if rate * (peaks[-1][0] - peaks[0][0]) > spread else 0.0
 
 
 class SiteSeries:
@@ -49,6 +136,35 @@ class SiteSeries:
         self.paths: tuple[str, ...] = ()
         self.buffers = 0.0
         self.retained = 0.0
+        self.epoch: int | None = None  # of the last reading (probes aside)
+        self.epoch_start = 0  # the step of its first reading in that epoch
+        self.sampled = False  # its last reading walked a sample of the graphs
+        self.last_step = 0
+        self.teeth: Teeth | None = None  # the current epoch's, once the program was seen to cut it
+
+    def read_cuts(self, step: int, buffers: float, tally: SiteTally, epoch: int, sampled: bool) -> None:
+        """One reading (not fixing): a cut when the retained buffers fell since the last reading
+        of this epoch. Another epoch (caches joined or died) is a jump, no cut."""
+        teeth, retained = self.teeth, tally.retained
+        fewer = bool(self.arrays) and tally.arrays < self.arrays[-1][1]  # removed, not cut
+        sampling = sampled or self.sampled
+        drop = max(CUT_BUFFERS, CUT_PER_ARRAY * tally.arrays) if sampling else CUT_BUFFERS
+        self.sampled = sampled
+        if epoch != self.epoch:
+            self.epoch_start = step
+            if teeth is not None:
+                teeth.new_epoch(epoch, step, buffers)
+        elif self.retained - retained >= drop and not fewer:
+            if teeth is None:
+                teeth = self.teeth = Teeth(epoch, self.epoch_start)
+                teeth.read(self.last_step, self.buffers, cut=False)  # the reading before it
+            teeth.read(step, buffers, cut=True)
+        elif teeth is not None:
+            if teeth.overdue(step):
+                self.teeth = None  # read from its readings again, as any site
+            else:
+                teeth.read(step, buffers, cut=False)
+        self.epoch, self.last_step = epoch, step
 
     def probed_rate(self) -> float | None:
         """What the fix cuts at this site per step, from the probes; None before the first probe.
@@ -70,33 +186,61 @@ class Growth:
         self.samples: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
         self.sites: dict[str, SiteSeries] = {}
         self.leaks: tuple[fc.Leak, ...] = ()
+        self.bounded: tuple[fc.Bounded, ...] = ()  # sites the program cuts, whose peaks do not grow
+        self.peak_excess = 0.0  # what those sites hold at their peaks beyond the last reading
         self.rate = 0.0
         self.known = False  # two readings of one epoch have measured the rate
         self.probed: float | None = None  # what the fix cuts per step, over all sites
         self.growing: set[str] | None = None  # sites the probes saw grow; None: not probed yet
 
     def record(
-        self, step: int, epoch: int, sites: dict[str, SiteTally], sample: float | None, probe: Probe | None
+        self,
+        step: int,
+        epoch: int,
+        sites: dict[str, SiteTally],
+        sample: float | None,
+        probe: Probe | None,
+        fixing: bool = False,
+        sampled: bool = False,
     ) -> None:
         """One reading. ``sample``: the buffers to fit the rate on (None: no sample, e.g. an empty
-        cache). ``probe``: the fix-mode probe this reading ends (its growth per site)."""
+        cache). ``probe``: the fix-mode probe this reading ends (its growth per site). ``fixing``:
+        the fix cuts chains now, so a cut is no longer the program's. ``sampled``: the reading
+        walked a sample of the graphs."""
         for site, tally in sites.items():
             series = self.sites.get(site) or self.sites.setdefault(site, SiteSeries())
             buffers = tally.held + tally.retained
-            series.arrays.append((step, tally.arrays, epoch))
             if probe is not None:
                 before = probe.buffers_by_site.get(site, 0)
                 series.growth.append((buffers - before) / max(1, step - probe.start))
             else:
                 series.total.append((step, buffers, epoch))
+                if fixing:
+                    series.teeth = None
+                else:
+                    series.read_cuts(step, buffers, tally, epoch, sampled)
+            series.arrays.append((step, tally.arrays, epoch))
             series.buffers, series.retained = buffers, tally.retained
             if tally.paths:
                 series.paths = tuple(tally.paths)
         if probe is None and sample is not None:
             self.samples.append((step, sample, epoch))
-            rate = fc.epoch_slope(self.samples)
+            rate = self._long_run_rate()
             if rate is not None:
                 self.rate, self.known = rate, True
+
+    def _long_run_rate(self) -> float | None:
+        """The slope of the samples, with each site the program cuts counted by its peaks' growth
+        instead of its readings (a sawtooth read at random phases is no line)."""
+        cut = [series for series in self.sites.values() if series.teeth is not None]
+        if not cut:
+            return fc.epoch_slope(self.samples)
+        held = [{at: b for at, b, _ in series.total} for series in cut]
+        rest = [(at, round(y - sum(h.get(at, 0.0) for h in held), 6), e) for at, y, e in self.samples]
+        rate = fc.epoch_slope(rest)
+        if rate is None:
+            return None
+        return rate + sum(series.teeth.growth for series in cut if series.teeth is not None)
 
     def site_buffers(self) -> dict[str, float]:
         return {site: s.buffers for site, s in self.sites.items()}
@@ -110,7 +254,8 @@ class Growth:
 
     def update_leaks(self, fixing: bool) -> None:
         """Per-site rates, once per reading (not per step or per scrape)."""
-        leaks, probed, growing = [], [], set()
+        leaks, probed, growing, bounded = [], [], set(), []
+        excess = 0.0
         for site, series in self.sites.items():
             site_probed = series.probed_rate()
             grows = site_probed is not None and site_probed > LEAK_THRESHOLD
@@ -118,6 +263,22 @@ class Growth:
                 probed.append(site_probed)
                 if grows:
                     growing.add(site)
+            teeth = series.teeth
+            if teeth is not None and not fixing:
+                # The program cuts it: its peaks say whether it grows; either way the limit is
+                # counted from its peak.
+                excess += max(0.0, teeth.peak - series.buffers)
+                if teeth.growth > LEAK_THRESHOLD:
+                    leaks.append(
+                        fc.Leak(site, series.paths, teeth.growth, int(round(series.buffers)), sawtooth=True)
+                    )
+                else:
+                    bounded.append(
+                        fc.Bounded(
+                            site, series.paths, int(round(teeth.peak)), int(round(series.buffers)), teeth.cuts
+                        )
+                    )
+                continue
             if fixing and site_probed is not None:
                 # The fix cuts the chains, so the series stays flat; the probes saw the growth it cuts.
                 site_rate = site_probed
@@ -133,6 +294,9 @@ class Growth:
             elif site_rate > LEAK_THRESHOLD:
                 leaks.append(fc.Leak(site, series.paths, site_rate, int(round(series.buffers))))
         leaks.sort(key=lambda leak: leak.buffers_per_step, reverse=True)
+        bounded.sort(key=lambda site: site.peak_buffers, reverse=True)
         self.leaks = tuple(leaks)
+        self.bounded = tuple(bounded)
+        self.peak_excess = excess
         self.probed = sum(probed) if probed else None
         self.growing = growing if probed else None

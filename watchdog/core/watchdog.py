@@ -382,8 +382,10 @@ class Watchdog:
             growth, last = self._growth, self._last
             rate = growth.rate
             resident = self._resident_now(step)
+            # A sawtooth comes back to its peak: the headroom is counted from there.
+            peak = resident + growth.peak_excess
             reserved = self._reserved()
-            stl = fc.steps_to_limit(resident + reserved, self.limit, rate)
+            stl = fc.steps_to_limit(peak + reserved, self.limit, rate)
             decoding = self.decoding()
             step_rate = self._step_rate() if decoding else 0.0
             rank, world_size = self._ranks()
@@ -411,6 +413,8 @@ class Watchdog:
                 decoding=decoding,
                 sampled=last.sampled,
                 reserved_buffers=reserved,
+                bounded=self._attribution.annotate(growth.bounded),
+                peak_resident_buffers=int(round(peak)),
             )
 
     def decoding(self) -> bool:
@@ -617,9 +621,10 @@ class Watchdog:
                 sample = resident - retained_buffers + reading.pending_arrays
         # The first reading of a new decode pairs with no other (-1 is no epoch): see schedule.py.
         epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
+        fixing = self.fix and self._fixer.fixed_once
         with self._lock:
-            self._growth.record(step, epoch, sites, sample, probe)
-            self._growth.update_leaks(fixing=self.fix and self._fixer.fixed_once)
+            self._growth.record(step, epoch, sites, sample, probe, fixing, reading.sampled)
+            self._growth.update_leaks(fixing)
             self._last = _LastReading(
                 step,
                 resident,
@@ -686,8 +691,9 @@ class Watchdog:
 
     def _act(self, roots: Any, last_output: Any, step: int) -> None:
         with self._lock:  # cheap arithmetic; the full Forecast only when a threshold is crossed
+            growth = self._growth
             stl = fc.steps_to_limit(
-                self._resident_now(step) + self._reserved(), self.limit, self._growth.rate
+                self._resident_now(step) + growth.peak_excess + self._reserved(), self.limit, growth.rate
             )
         coordinator = self._coordinator
         if coordinator is not None:
