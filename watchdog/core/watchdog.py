@@ -50,6 +50,7 @@ from .options import (
     checked_steps,
     checked_walk_interval,
 )
+from .rows import RowsWatch
 from .sampling import Sampler, warm_up
 from .schedule import Schedule
 
@@ -215,6 +216,9 @@ class Watchdog:
         # Identity of the last roots: the same caches skip the scope.
         self._root_ids: tuple[int, ...] | None = None
         self._anchor_ref: weakref.ref | None = None  # their first cache: dead, the ids may be reused
+        # A batch filtered or extended in place (the same caches, other rows) is seen by the rows
+        # (first dimension) of one array of the roots, checked at every step (rows.py).
+        self._rows = RowsWatch()
         self._fixer = Fixer(fix_every)
         self._warnings = Warnings()
         self._last = _LastReading()  # between readings the forecast extrapolates from it
@@ -484,6 +488,8 @@ class Watchdog:
         step = self.steps = self.steps + 1
         self._step_times.append((step, start))
         self._stepping_thread = threading.get_ident()
+        if self._rows.probe is not None and self._rows.changed(roots, step):
+            self._scope.changed()
         if self._scope.version != self._epoch_version:
             self._new_epoch(step)
 
@@ -499,7 +505,8 @@ class Watchdog:
             step
         ):
             walked_pending = self._walk(roots, step)
-            if self.fix and self._last.pending_nodes and fixer.wants_probe():
+            # A probe's second walk is taken whatever the budget: it must fit now, with this one.
+            if self.fix and self._last.pending_nodes and fixer.wants_probe() and schedule.affordable(walks=2):
                 fixer.start_probe(step, self._growth.site_buffers())
         if self.fix and fixer.due(step, last_output):
             self._fix(roots, walked_pending, step)
@@ -518,6 +525,7 @@ class Watchdog:
         self._scope.follow(roots)
         self._root_ids = ids
         self._fixer.forget_paths()
+        self._rows.forget()
         try:  # arrays are rebound every step, and some objects take no weak reference
             self._anchor_ref = None if issubclass(type(anchor), mx.array) else weakref.ref(anchor)
         except TypeError:
@@ -527,14 +535,20 @@ class Watchdog:
     def _new_epoch(self, step: int) -> None:
         """Another set of live caches from here on: readings before and after are no growth line.
         While some caches go on (a request joined a busy batch), the growth measured so far still
-        holds; when none does, this is a new decode, measured afresh."""
-        continuing = self._growth.known and any(ref() is not None for ref in self._epoch_members)
+        holds, and so do the readings toward it; when none does, this is a new decode, measured
+        afresh."""
+        continuing = any(ref() is not None for ref in self._epoch_members)
         if self._epoch_members and not continuing:
             self.reset()
+        # A probe measures what steps add to one set of caches: across a change it would read the
+        # change (a batch rebuilt shorter reads as a chain the program drains: no leak to cut).
+        self._fixer.cancel_probe()
         self._epoch += 1
         self._epoch_members = self._scope.refs()
         self._epoch_version = self._scope.version
-        self._schedule.new_epoch(step, continuing=continuing)
+        # A busy batch changes every second or so: were the growth forgotten at a change while it
+        # is still unknown, it would never be read (each change would start a new decode).
+        self._schedule.new_epoch(step, continuing=continuing, measured=self._growth.known)
 
     def _resume(self) -> None:
         """The first step after idle starts a new epoch: a new generation is measured afresh when
@@ -552,6 +566,7 @@ class Watchdog:
         self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
         t0, cpu0 = time.perf_counter(), graph.cpu_clock()
         others = self._scope.others() if roots is not None else self._scope.members()
+        given = roots is not None
         roots = () if roots is None else roots
         result = scan_all(
             [(roots, "")] + [(c, f"<{type_name(c)}#{k}>") for k, c in enumerate(others)],
@@ -572,6 +587,8 @@ class Watchdog:
                 "cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut
             )
         found = result.found
+        if given:
+            self._rows.arm(found, self._epoch)
         reading = self._sampler.read(found, step, root_keys)
         pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
         self._fixer.remember_paths(found, pending)
@@ -656,10 +673,9 @@ class Watchdog:
             self.record_internal_error("materialize", exc)
             return
         finally:
-            # The fix is a cost the user chose (fix_every sets it): charged to the walk budget,
-            # it would starve the walks and leave the metrics stale. It still counts in
-            # overhead_seconds.
-            self._schedule.refund(time.perf_counter() - fix_started)
+            # Charged with the rest of observe(); the schedule keeps the walks a floor of the
+            # budget when the fix alone would spend it (fix_every=1 on a slow host).
+            self._schedule.charge_fix(time.perf_counter() - fix_started)
         if failed:
             with self._lock:
                 self.fix_failures += failed
