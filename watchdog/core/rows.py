@@ -3,7 +3,7 @@
 mlx-lm's ``BatchGenerator`` filters its caches when a request ends and extends them when one
 joins: no cache joins or dies, so the scope (``caches.py``) sees no change, yet the buffers held
 jump at once. The watchdog reads one array of the roots at every step (a path followed without a
-walk, ~1 us) and compares its first dimension, the batch, with the last walk's: another count is
+walk: a few microseconds) and compares its first dimension, the batch, with the last walk's: another count is
 a change of the batch, read one step later as a change of the scope is.
 
 Which array: a cache's state arrays share the batch as their first dimension, so of the roots'
@@ -17,10 +17,11 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from .arrays import Found, resolve
+from .arrays import Found, resolve, scan
 from .fix import resolvable
 
 RUN_LIMIT = 3  # an array whose rows changed at this many steps in a row is no batch
+LOOK_OBJECTS = 256  # new roots are looked at without a walk, this far: their first caches
 
 
 class RowsWatch:
@@ -38,6 +39,14 @@ class RowsWatch:
         self._seen = {}
         self._dropped = set()
 
+    def look(self, roots: Any, epoch: int) -> None:
+        """New roots (a request joined: the batch was built anew): choose the array now, from a
+        short look at their first caches, not at the next walk (which the budget may put off)."""
+        try:
+            self.arm(scan(roots, max_objects=LOOK_OBJECTS).found, epoch)
+        except Exception:  # unreadable roots: the next walk arms it
+            self.probe = None
+
     def arm(self, found: list[Found], epoch: int) -> None:
         """At a walk of the roots (``found``, root 0): choose the array to watch."""
         rows = {}
@@ -51,7 +60,8 @@ class RowsWatch:
             self.probe = None
             return
         batch = collections.Counter(steady.values()).most_common(1)[0][0]
-        self.probe = next((path, n) for path, n in steady.items() if n == batch)
+        # The shortest path: it is followed at every step.
+        self.probe = min(((path, n) for path, n in steady.items() if n == batch), key=lambda p: len(p[0]))
 
     def changed(self, roots: Any, step: int) -> bool:
         """Every step: has the watched array another number of rows than it had?"""

@@ -526,6 +526,7 @@ class Watchdog:
         self._root_ids = ids
         self._fixer.forget_paths()
         self._rows.forget()
+        self._rows.look(roots, self._epoch)
         try:  # arrays are rebound every step, and some objects take no weak reference
             self._anchor_ref = None if issubclass(type(anchor), mx.array) else weakref.ref(anchor)
         except TypeError:
