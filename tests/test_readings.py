@@ -148,7 +148,8 @@ def test_a_batch_filtered_and_extended_in_place_is_read_at_the_next_reading(coun
     """BatchGenerator filters its caches when a request ends and extends them when one joins: the
     same cache objects, other rows, no cache joins or dies. Beside two busy processes, the first
     reading after each such change must be within 5% of the exact count taken at that reading
-    (inside the walk, through ``on_forecast``), and come at the next step. (The budget is raised:
+    (inside the walk, through ``on_forecast``), and come within 5 steps (the rows are looked at
+    every 4 steps, the walk is one step later). (The budget is raised:
     timed in wall time beside two busy processes, walks cost 5-10 times their work and the 1%
     would space them seconds apart; when readings come is the schedule's, tests/test_core.py.)"""
     baseline = counter.live(collect=True)
@@ -189,10 +190,10 @@ def test_a_batch_filtered_and_extended_in_place_is_read_at_the_next_reading(coun
     assert len(table) >= 8, text  # requests ended and joined, each a change in place
     for *_, resident, true, _ in table:
         assert abs(resident - true) <= max(0.05 * true, 80), text  # (80: as in read_a_busy_batch)
-    # Read one step after the change, or after the last change of a burst (a request that ends
+    # Read soon after the change, or after the last change of a burst (a request that ends
     # and one that joins within a few steps are read once, when the batch has settled).
     later_changes = [row[0] for row in table[1:]] + [math.inf]
-    late = [row for row, then in zip(table, later_changes) if row[3] - row[0] > 2 and row[3] <= then]
+    late = [row for row, then in zip(table, later_changes) if row[3] - row[0] > 5 and row[3] <= then]
     assert len(late) <= len(table) // 4, text
     assert table[-1][5] > 2 * table[0][5], text  # the chains grew across the changes
 

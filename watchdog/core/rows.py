@@ -2,9 +2,10 @@
 
 mlx-lm's ``BatchGenerator`` filters its caches when a request ends and extends them when one
 joins: no cache joins or dies, so the scope (``caches.py``) sees no change, yet the buffers held
-jump at once. The watchdog reads one array of the roots at every step (a path followed without a
-walk: a few microseconds) and compares its first dimension, the batch, with the last walk's: another count is
-a change of the batch, read one step later as a change of the scope is.
+jump at once. Every ``EVERY`` steps the watchdog reads one array of the roots (a path followed
+without a walk: a few microseconds, too many for every step of the per-step path) and compares its
+first dimension, the batch, with what it was: another count is a change of the batch, read one
+step later as a change of the scope is.
 
 Which array: a cache's state arrays share the batch as their first dimension, so of the roots'
 arrays of two dimensions or more, one of the first dimension most of them have; and not one whose
@@ -20,7 +21,8 @@ from typing import Any
 from .arrays import Found, resolve, scan
 from .fix import resolvable
 
-RUN_LIMIT = 3  # an array whose rows changed at this many steps in a row is no batch
+EVERY = 4  # steps between two looks at the rows
+RUN_LIMIT = 3  # an array whose rows changed at this many looks in a row is no batch
 LOOK_OBJECTS = 256  # new roots are looked at without a walk, this far: their first caches
 
 
@@ -30,7 +32,7 @@ class RowsWatch:
         self._seen: dict[tuple, int] = {}  # path -> rows, at the last walk of this epoch
         self._epoch = -1
         self._dropped: set[tuple] = set()
-        self._last_change = -2  # step
+        self._last_change = -EVERY - 1  # step
         self._run = 0
 
     def forget(self) -> None:
@@ -64,7 +66,7 @@ class RowsWatch:
         self.probe = min(((path, n) for path, n in steady.items() if n == batch), key=lambda p: len(p[0]))
 
     def changed(self, roots: Any, step: int) -> bool:
-        """Every step: has the watched array another number of rows than it had?"""
+        """Every ``EVERY`` steps: has the watched array another number of rows than it had?"""
         path, rows = self.probe  # type: ignore[misc]
         try:
             now = resolve(roots, path).shape[0]
@@ -73,7 +75,7 @@ class RowsWatch:
             return True
         if now == rows:
             return False
-        self._run = self._run + 1 if step == self._last_change + 1 else 1
+        self._run = self._run + 1 if step - self._last_change <= EVERY else 1
         self._last_change = step
         if self._run >= RUN_LIMIT:
             self._dropped.add(path)

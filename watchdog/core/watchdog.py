@@ -50,6 +50,7 @@ from .options import (
     checked_steps,
     checked_walk_interval,
 )
+from .rows import EVERY as ROWS_EVERY
 from .rows import RowsWatch
 from .sampling import Sampler, warm_up
 from .schedule import Schedule
@@ -488,7 +489,7 @@ class Watchdog:
         step = self.steps = self.steps + 1
         self._step_times.append((step, start))
         self._stepping_thread = threading.get_ident()
-        if self._rows.probe is not None and self._rows.changed(roots, step):
+        if not step % ROWS_EVERY and self._rows.probe is not None and self._rows.changed(roots, step):
             self._scope.changed()
         if self._scope.version != self._epoch_version:
             self._new_epoch(step)
