@@ -218,7 +218,7 @@ class Watchdog:
         self._root_ids: tuple[int, ...] | None = None
         self._anchor_ref: weakref.ref | None = None  # their first cache: dead, the ids may be reused
         # A batch filtered or extended in place (the same caches, other rows) is seen by the rows
-        # (first dimension) of one array of the roots, checked at every step (rows.py).
+        # (first dimension) of one array of the roots, looked at every few steps (rows.py).
         self._rows = RowsWatch()
         self._fixer = Fixer(fix_every)
         self._warnings = Warnings()
@@ -524,10 +524,11 @@ class Watchdog:
             self._scope.add(roots)
             return False
         self._scope.follow(roots)
-        self._root_ids = ids
+        before, self._root_ids = self._root_ids, ids
         self._fixer.forget_paths()
-        self._rows.forget()
-        self._rows.look(roots, self._epoch)
+        if before is None or before[1:] != ids[1:]:  # other caches (not a list made anew each step)
+            self._rows.forget()
+            self._rows.look(roots, self._epoch)
         try:  # arrays are rebound every step, and some objects take no weak reference
             self._anchor_ref = None if issubclass(type(anchor), mx.array) else weakref.ref(anchor)
         except TypeError:
