@@ -18,12 +18,11 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from .arrays import Found, resolve, scan
+from .arrays import Found, resolve
 from .fix import resolvable
 
 EVERY = 4  # steps between two looks at the rows
 RUN_LIMIT = 3  # an array whose rows changed at this many looks in a row is no batch
-LOOK_OBJECTS = 256  # new roots are looked at without a walk, this far: their first caches
 
 
 class RowsWatch:
@@ -40,14 +39,6 @@ class RowsWatch:
         self.probe = None
         self._seen = {}
         self._dropped = set()
-
-    def look(self, roots: Any, epoch: int) -> None:
-        """New roots (a request joined: the batch was built anew): choose the array now, from a
-        short look at their first caches, not at the next walk (which the budget may put off)."""
-        try:
-            self.arm(scan(roots, max_objects=LOOK_OBJECTS).found, epoch)
-        except Exception:  # unreadable roots: the next walk arms it
-            self.probe = None
 
     def arm(self, found: list[Found], epoch: int) -> None:
         """At a walk of the roots (``found``, root 0): choose the array to watch."""

@@ -37,6 +37,11 @@ AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of d
 # must not blind the watchdog: the walks keep the start-up credit, or this share of the budget,
 # for themselves.
 WALK_FLOOR_SHARE = 0.1
+# Walks that measure a growth not known yet (a new decode's) come first: the others (the walk at
+# a change of a busy batch whose growth is known, the interval walks) leave this share of the
+# budget to them. A server whose batch empties now and then must read each new batch's growth
+# within a few steps, whatever the changes before it spent.
+ROUTINE_SHARE = 0.75
 # What the next walk will cost: the median of the last few. One walk descheduled on a loaded
 # machine (150 ms against 5) would otherwise hold every walk back until the decode had earned it.
 COST_WINDOW = 5
@@ -83,15 +88,16 @@ class Schedule:
         self._next = 0
         self._arm()
 
-    def due(self, step: int) -> bool:
-        """Is a walk due at ``step``, and does it fit the budget? (Every step: kept cheap.)"""
+    def due(self, step: int, measured: bool = True) -> bool:
+        """Is a walk due at ``step``, and does it fit the budget? ``measured``: the growth is known
+        (the walk is routine). (Every step: kept cheap.)"""
         wanted = (
             self._next < len(self._offsets) and step - self._epoch_start >= self._offsets[self._next]
         ) or self.decode_seconds >= self.wake_decode
-        return wanted and self.affordable()
+        return wanted and self.affordable(share=ROUTINE_SHARE if measured else 1.0)
 
-    def affordable(self, walks: int = 1) -> bool:
-        """Do ``walks`` more walks (at the last one's cost) fit the budget?"""
+    def affordable(self, walks: int = 1, share: float = 1.0) -> bool:
+        """Do ``walks`` more walks (at the last one's cost) fit ``share`` of the budget?"""
         # Everything observe() spends counts, not only walks (wall time: that is what the decode
         # loses). The budget runs over the watchdog's lifetime: a server has a new epoch with every
         # change of its batch, and a credit per epoch would let short requests cost more than the
@@ -99,7 +105,7 @@ class Schedule:
         # at most overhead_budget is spent.
         allowed = max(self.overhead_budget * self.decode_seconds, WALK_CREDIT_SECONDS)
         cost = walks * self.last_cost
-        if self.spent + cost <= allowed:
+        if self.spent + cost <= share * allowed:
             return True
         return self.spent - self.fix_spent + cost <= max(WALK_FLOOR_SHARE * allowed, WALK_CREDIT_SECONDS)
 

@@ -53,7 +53,7 @@ from .options import (
 from .rows import EVERY as ROWS_EVERY
 from .rows import RowsWatch
 from .sampling import Sampler, warm_up
-from .schedule import Schedule
+from .schedule import ROUTINE_SHARE, Schedule
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -370,7 +370,8 @@ class Watchdog:
             self._attribution.finish()  # a probe still attached gives its class back now
             # Only on the thread that stepped (a generator closed by the garbage collector may end
             # anywhere): MLX's graph is not read beside a thread that may be changing it.
-            if self.walks and self._schedule.affordable() and threading.get_ident() == self._stepping_thread:
+            routine = self._schedule.affordable(share=ROUTINE_SHARE)  # a level, no growth to measure
+            if self.walks and routine and threading.get_ident() == self._stepping_thread:
                 if self._scope.version != self._epoch_version:
                     self._new_epoch(self.steps)
                 self._walk(None, self.steps)  # every live cache
@@ -503,7 +504,7 @@ class Watchdog:
             if probe is not None:
                 walked_pending = self._walk(roots, step, probe)
         elif (step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode) and schedule.due(
-            step
+            step, self._growth.known
         ):
             walked_pending = self._walk(roots, step)
             # A probe's second walk is taken whatever the budget: it must fit now, with this one.
@@ -527,8 +528,7 @@ class Watchdog:
         before, self._root_ids = self._root_ids, ids
         self._fixer.forget_paths()
         if before is None or before[1:] != ids[1:]:  # other caches (not a list made anew each step)
-            self._rows.forget()
-            self._rows.look(roots, self._epoch)
+            self._rows.forget()  # armed again by the next walk (a look of its own cost ~1 ms a join)
         try:  # arrays are rebound every step, and some objects take no weak reference
             self._anchor_ref = None if issubclass(type(anchor), mx.array) else weakref.ref(anchor)
         except TypeError:
