@@ -392,6 +392,48 @@ def test_many_short_decodes_share_one_budget(monkeypatch):
     assert wd.walks >= 2000  # every request still gets measured: its level and its rate
 
 
+def test_a_busy_batch_in_fix_mode_keeps_its_rate_within_the_budget(monkeypatch):
+    # A server's batch: a cache joins and one dies every 32 steps (the batch goes on), and every
+    # 640 steps the batch empties (a new decode); the fix runs every 16 steps. Walks and fixes
+    # cost time. Everything observe() spends, the fix included, must come within the 1% budget
+    # once past the start-up credit, and the rate (the fix's: nothing left growing) must be known
+    # nearly all the time. (A change used to reset what was being measured while the rate was
+    # unknown, and each reset's first fix cleared the readings again; owed walks and the walk at a
+    # change were taken over the budget, and the fix was refunded.)
+    clock = FakeClock()
+    use_clock(monkeypatch, clock)
+    walk_cost, fix_cost = 2**-9, 2**-10  # ~2 ms, ~1 ms
+    charge_walks(monkeypatch, clock, lambda reading: walk_cost)
+    real_schedule = core.schedule_evaluation
+
+    def costly_schedule(arrays, async_eval):
+        clock.now += fix_cost
+        return real_schedule(arrays, async_eval)
+
+    monkeypatch.setattr(core, "schedule_evaluation", costly_schedule)
+    wd = Watchdog(limit=10**6, export=False, fix=True)
+    caches = [ScalarCache() for _ in range(4)]
+    decode, known, steps = 0.0, 0, 6400
+    for step in range(1, steps + 1):
+        if step % 640 == 0:
+            caches = [ScalarCache() for _ in range(4)]  # the batch emptied: a new decode
+        elif step % 32 == 0:
+            caches = caches[1:] + [ScalarCache()]  # one request left, one joined
+        wd.observe(caches)
+        for cache in caches:
+            cache.step()
+        clock.now += STEP
+        decode += STEP
+        f = wd.forecast()
+        known += f.rate_known
+        if f.rate_known and step > 100:
+            assert f.buffers_per_step < 0.5, (step, f)  # the fix cuts every chain
+        if decode >= 2 * schedule.WALK_CREDIT_SECONDS / 0.01:
+            assert wd.overhead_seconds <= 0.01 * decode + walk_cost + fix_cost, (step, wd.overhead_seconds)
+    assert wd.materialized_arrays > steps // 16  # the fix ran
+    assert known >= 0.9 * steps, known
+
+
 def test_caches_that_join_are_read_with_the_others_and_their_arrival_is_no_growth():
     # The unit is every cache alive, not one decode: a cache that joins (a request entering a
     # busy batch) adds its buffers at once, a jump that is not growth; the growth goes on.

@@ -145,6 +145,60 @@ def test_a_busy_batch_read_by_sample_is_read_across_its_requests(counter, monkey
     assert_read_across_requests(rows)
 
 
+def test_a_batch_filtered_and_extended_in_place_is_read_at_the_next_reading(counter):
+    """BatchGenerator filters its caches when a request ends and extends them when one joins: the
+    same cache objects, other rows, no cache joins or dies. Beside two busy processes, the first
+    reading after each such change must be within 5% of the exact count taken at that reading
+    (inside the walk, through ``on_forecast``), and come within 5 steps (the rows are looked at
+    every 4 steps, the walk is one step later). (The budget is raised:
+    timed in wall time beside two busy processes, walks cost 5-10 times their work and the 1%
+    would space them seconds apart; when readings come is the schedule's, tests/test_core.py.)"""
+    baseline = counter.live(collect=True)
+    hybrid = build_model("qwen3_next", layers=12, full_attention_interval=4)
+    readings = []  # (step, resident, true, sampled) at every walk
+
+    def read(f):
+        readings.append((f.measured_step, f.resident_buffers, counter.live() - baseline, f.sampled))
+
+    wd = Watchdog(limit=200_000, export=False, on_forecast=read, overhead_budget=0.25)
+    watch_model(hybrid, wd)
+    gen = BatchGenerator(hybrid, max_tokens=40)
+    prompts = tiny_prompts(7, 6, 512, seed=11)
+    lengths = [200, 150, 240, 180, 220, 160, 210]
+    gen.insert(prompts[:3], max_tokens=lengths[:3])
+    joined, rows, changes = 3, 3, []
+    with cpu_load():
+        while responses := gen.next_generated():
+            if len(responses) != rows:  # filtered (a request ended) or extended (one joined)
+                changes.append((wd.steps, rows, len(responses)))
+                rows = len(responses)
+            finished = sum(r.finish_reason is not None for r in responses)
+            if finished and joined < len(prompts):
+                gen.insert(
+                    prompts[joined : joined + finished], max_tokens=lengths[joined : joined + finished]
+                )
+                joined += finished
+    gen.close()
+    unwatch_model(hybrid)
+    table = []
+    for step, before, after in changes:
+        following = [r for r in readings if r[0] > step]
+        if following:
+            table.append((step, before, after, *following[0]))
+    text = "step, rows before, rows after, next reading's step, resident, true, sampled\n" + "\n".join(
+        map(str, table)
+    )
+    assert len(table) >= 8, text  # requests ended and joined, each a change in place
+    for *_, resident, true, _ in table:
+        assert abs(resident - true) <= max(0.05 * true, 80), text  # (80: as in read_a_busy_batch)
+    # Read soon after the change, or after the last change of a burst (a request that ends
+    # and one that joins within a few steps are read once, when the batch has settled).
+    later_changes = [row[0] for row in table[1:]] + [math.inf]
+    late = [row for row, then in zip(table, later_changes) if row[3] - row[0] > 5 and row[3] <= then]
+    assert len(late) <= len(table) // 4, text
+    assert table[-1][5] > 2 * table[0][5], text  # the chains grew across the changes
+
+
 def test_two_decodes_at_once_are_read_together():
     # Two decodes take turns on one model (two threads, or two generators): each forward passes
     # its own caches, and both are held by the process all along.

@@ -7,7 +7,8 @@ never the reverse.
 * ``watchdog.py``: ``Watchdog``: ``observe`` at each step, ``forecast``, the fix and the actions.
 * Reading the caches: ``objects.py`` reads Python objects through their types only (no program
   code runs); ``arrays.py`` finds every ``mx.array`` reachable from the roots, with its path and
-  site; ``caches.py`` keeps the caches followed (every live cache seen in a forward).
+  site; ``caches.py`` keeps the caches followed (every live cache seen in a forward);
+  ``rows.py`` sees a batch filtered or extended in place (the same caches, other rows).
 * Counting: ``graph.py`` counts one walk of the lazy graph (``mx.export_to_dot``);
   ``sampling.py`` decides whether a reading walks every pending array or a sample;
   ``allocator.py`` settles the C allocator's deferred work before a walk is timed.

@@ -4,7 +4,8 @@ A decode is not the unit: a busy server's batch outlives every request, a reques
 cache list of its own for one forward, two decodes may share a model. Buffers are held by all
 of those at once, so a reading walks them all. Caches are held by weak reference (the watchdog
 must not keep a finished request's buffers alive), and the set has a version that changes when
-a cache joins or dies: readings of two versions are not points of one growth line.
+a cache joins or dies, or its batch changes in place: readings of two versions are not points of
+one growth line.
 """
 
 from __future__ import annotations
@@ -68,6 +69,11 @@ class Scope:
         if grew:
             self.version += 1
         return grew, ids
+
+    def changed(self) -> None:
+        """A cache changed in place (a batch filtered or extended: the same objects, other rows):
+        readings before and after are no more points of one growth line than across a join."""
+        self.version += 1
 
     def others(self) -> list[Any]:
         """The live caches that are not part of the current roots."""

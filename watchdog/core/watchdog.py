@@ -50,8 +50,10 @@ from .options import (
     checked_steps,
     checked_walk_interval,
 )
+from .rows import EVERY as ROWS_EVERY
+from .rows import RowsWatch
 from .sampling import Sampler, warm_up
-from .schedule import Schedule
+from .schedule import ROUTINE_SHARE, Schedule
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -215,6 +217,9 @@ class Watchdog:
         # Identity of the last roots: the same caches skip the scope.
         self._root_ids: tuple[int, ...] | None = None
         self._anchor_ref: weakref.ref | None = None  # their first cache: dead, the ids may be reused
+        # A batch filtered or extended in place (the same caches, other rows) is seen by the rows
+        # (first dimension) of one array of the roots, looked at every few steps (rows.py).
+        self._rows = RowsWatch()
         self._fixer = Fixer(fix_every)
         self._warnings = Warnings()
         self._last = _LastReading()  # between readings the forecast extrapolates from it
@@ -365,7 +370,8 @@ class Watchdog:
             self._attribution.finish()  # a probe still attached gives its class back now
             # Only on the thread that stepped (a generator closed by the garbage collector may end
             # anywhere): MLX's graph is not read beside a thread that may be changing it.
-            if self.walks and self._schedule.affordable() and threading.get_ident() == self._stepping_thread:
+            routine = self._schedule.affordable(share=ROUTINE_SHARE)  # a level, no growth to measure
+            if self.walks and routine and threading.get_ident() == self._stepping_thread:
                 if self._scope.version != self._epoch_version:
                     self._new_epoch(self.steps)
                 self._walk(None, self.steps)  # every live cache
@@ -488,6 +494,8 @@ class Watchdog:
         step = self.steps = self.steps + 1
         self._step_times.append((step, start))
         self._stepping_thread = threading.get_ident()
+        if not step % ROWS_EVERY and self._rows.probe is not None and self._rows.changed(roots, step):
+            self._scope.changed()
         if self._scope.version != self._epoch_version:
             self._new_epoch(step)
 
@@ -500,10 +508,11 @@ class Watchdog:
             if probe is not None:
                 walked_pending = self._walk(roots, step, probe)
         elif (step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode) and schedule.due(
-            step
+            step, self._growth.known
         ):
             walked_pending = self._walk(roots, step)
-            if self.fix and self._last.pending_nodes and fixer.wants_probe():
+            # A probe's second walk is taken whatever the budget: it must fit now, with this one.
+            if self.fix and self._last.pending_nodes and fixer.wants_probe() and schedule.affordable(walks=2):
                 fixer.start_probe(step, self._growth.site_buffers())
         if self.fix and fixer.due(step, last_output):
             self._fix(roots, walked_pending, step)
@@ -520,8 +529,10 @@ class Watchdog:
             self._scope.add(roots)
             return False
         self._scope.follow(roots)
-        self._root_ids = ids
+        before, self._root_ids = self._root_ids, ids
         self._fixer.forget_paths()
+        if before is None or before[1:] != ids[1:]:  # other caches (not a list made anew each step)
+            self._rows.forget()  # armed again by the next walk (a look of its own cost ~1 ms a join)
         try:  # arrays are rebound every step, and some objects take no weak reference
             self._anchor_ref = None if issubclass(type(anchor), mx.array) else weakref.ref(anchor)
         except TypeError:
@@ -531,14 +542,20 @@ class Watchdog:
     def _new_epoch(self, step: int) -> None:
         """Another set of live caches from here on: readings before and after are no growth line.
         While some caches go on (a request joined a busy batch), the growth measured so far still
-        holds; when none does, this is a new decode, measured afresh."""
-        continuing = self._growth.known and any(ref() is not None for ref in self._epoch_members)
+        holds, and so do the readings toward it; when none does, this is a new decode, measured
+        afresh."""
+        continuing = any(ref() is not None for ref in self._epoch_members)
         if self._epoch_members and not continuing:
             self.reset()
+        # A probe measures what steps add to one set of caches: across a change it would read the
+        # change (a batch rebuilt shorter reads as a chain the program drains: no leak to cut).
+        self._fixer.cancel_probe()
         self._epoch += 1
         self._epoch_members = self._scope.refs()
         self._epoch_version = self._scope.version
-        self._schedule.new_epoch(step, continuing=continuing)
+        # A busy batch changes every second or so: were the growth forgotten at a change while it
+        # is still unknown, it would never be read (each change would start a new decode).
+        self._schedule.new_epoch(step, continuing=continuing, measured=self._growth.known)
 
     def _resume(self) -> None:
         """The first step after idle starts a new epoch: a new generation is measured afresh when
@@ -556,6 +573,7 @@ class Watchdog:
         self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
         t0, cpu0 = time.perf_counter(), graph.cpu_clock()
         others = self._scope.others() if roots is not None else self._scope.members()
+        given = roots is not None
         roots = () if roots is None else roots
         result = scan_all(
             [(roots, "")] + [(c, f"<{type_name(c)}#{k}>") for k, c in enumerate(others)],
@@ -579,6 +597,8 @@ class Watchdog:
         # Each array by its cache and its steps from it: the same name whether the cache is
         # walked as part of the roots or alone (generation_ended reads every cache alone).
         owners = [(members[f.root], f.steps) if f.root else member_of(roots, f.steps) for f in found]
+        if given:
+            self._rows.arm(found, self._epoch)
         reading = self._sampler.read(found, step, root_keys, [(id(m), rest) for m, rest in owners])
         pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
         self._fixer.remember_paths(found, pending)
@@ -663,10 +683,9 @@ class Watchdog:
             self.record_internal_error("materialize", exc)
             return
         finally:
-            # The fix is a cost the user chose (fix_every sets it): charged to the walk budget,
-            # it would starve the walks and leave the metrics stale. It still counts in
-            # overhead_seconds.
-            self._schedule.refund(time.perf_counter() - fix_started)
+            # Charged with the rest of observe(); the schedule keeps the walks a floor of the
+            # budget when the fix alone would spend it (fix_every=1 on a slow host).
+            self._schedule.charge_fix(time.perf_counter() - fix_started)
         if failed:
             with self._lock:
                 self.fix_failures += failed
