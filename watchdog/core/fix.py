@@ -7,12 +7,14 @@ device work runs later, and the program waits on nothing it did not wait on befo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import mlx.core as mx
 
 from .arrays import Found, find_arrays, resolve, scan
+from .caches import live_site
 from .graph import is_evaluated
 
 PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
@@ -80,6 +82,17 @@ def resolvable(steps: tuple) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class KeptArray:
+    """A pending array of a kept cache (``caches.py``), as a walk saw it: the fix finds it again
+    through the cache's weak reference, so a cache the server drops leaves nothing behind."""
+
+    site: str
+    cache: weakref.ref | None
+    steps: tuple
+    retained: float  # buffers its pending graph kept alive at that walk
+
+
+@dataclasses.dataclass(frozen=True)
 class Probe:
     """A fix-mode probe: the fix waits from ``start`` to ``end``; the walk at ``end`` reads what
     each site gained over ``buffers_by_site`` (the growth the fix cuts)."""
@@ -108,6 +121,7 @@ class Fixer:
         self.fixed_once = False
         self._paths: list[tuple] | None = None  # every array's access steps, from the last walk
         self._pending_paths: list[tuple] | None = None  # (site, steps) of its pending arrays
+        self._kept: list[KeptArray] = []  # the last walk's pending arrays of kept caches
 
     def reset(self, step: int) -> None:
         self.probe = None
@@ -125,6 +139,34 @@ class Fixer:
         """The paths of a walk of the roots (root 0): where the fix re-reads between walks."""
         self._paths = [f.steps for f in found if f.root == 0 and resolvable(f.steps)]
         self._pending_paths = [(f.site, f.steps) for f in pending if resolvable(f.steps)]
+
+    def remember_kept(self, kept: list[KeptArray]) -> None:
+        """The pending arrays of kept caches seen by the last walk (any roots)."""
+        self._kept = kept
+
+    def kept_pending(self, leaking: Collection[str]) -> tuple[list[mx.array], float]:
+        """The pending arrays of kept caches at sites seen leaking while their caches stepped
+        (``leaking``: live site names), and the buffers their graphs held at the last walk.
+
+        Only chains the program built and left: those of the sites the fix cuts in the caches
+        that step. A kept cache no longer changes, so each is scheduled once; the next walk
+        sees what is still pending."""
+        kept, self._kept = self._kept, []
+        arrays, retained = [], 0.0
+        for k in kept:
+            if live_site(k.site) not in leaking or k.cache is None:
+                continue
+            cache = k.cache()
+            if cache is None:  # the server dropped it
+                continue
+            try:
+                value = resolve(cache, k.steps)
+            except Exception:  # the structure changed: the next walk will see the new one
+                continue
+            if not _evaluated(value):
+                arrays.append(value)
+                retained += k.retained
+        return arrays, retained
 
     def forget_paths(self) -> None:
         """Other roots: the paths of the last walk lead elsewhere now."""

@@ -36,9 +36,9 @@ from . import forecast as fc
 from .actions import ResourceLimitForecast, Warnings, remedy
 from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .attribution import Attribution
-from .caches import Scope, member_of
+from .caches import KEPT_MARK, Scope, member_of
 from .coordination import Coordinator, launched, new_coordinator
-from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
+from .fix import Fixer, KeptArray, Probe, evaluated_output, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth, SiteTally
 from .limits import find_buffer_counter, resolve_limit, unseen_margin
 from .objects import type_name
@@ -513,9 +513,9 @@ class Watchdog:
             # A prompt filling its own caches (BatchGenerator does that before they join the
             # batch): they hold buffers, so they are read; but the decode being followed goes on.
             # Its ids are not kept, or its next chunk would pass for a step of that decode.
-            self._scope.add(roots)
+            self._scope.add(roots, self.steps)
             return False
-        self._scope.follow(roots)
+        self._scope.follow(roots, self.steps + 1)  # the step this forward is
         self._root_ids = ids
         self._fixer.forget_paths()
         try:  # arrays are rebound every step, and some objects take no weak reference
@@ -551,12 +551,17 @@ class Watchdog:
         fix-mode probe this reading ends."""
         self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
         t0, cpu0 = time.perf_counter(), graph.cpu_clock()
-        others = self._scope.others() if roots is not None else self._scope.members()
+        scope = self._scope
+        others = scope.others() if roots is not None else scope.members()
         roots = () if roots is None else roots
+        # A server's kept caches (caches.py): their arrays under sites of their own
+        kept = [False] + [scope.kept(c, step) for c in others]
+        kept_since = max((scope.last_used(c, step) for c, k in zip(others, kept[1:]) if k), default=None)
         result = scan_all(
             [(roots, "")] + [(c, f"<{type_name(c)}#{k}>") for k, c in enumerate(others)],
             max_objects=self.max_objects,
             max_depth=self.max_depth,
+            marks=[KEPT_MARK if k else "" for k in kept],
         )
         root_keys = [0] + [id(c) for c in others]  # ids name the other caches while they live
         members = [None] + others
@@ -578,8 +583,16 @@ class Watchdog:
 
         by_cache: dict[int, _CacheTally] = {}
         sites: dict[str, SiteTally] = {}
+        kept_buffers = 0.0
+        kept_pending: list[KeptArray] = []
         for f, done, retained in zip(found, reading.evaluated, reading.retained):
             member = members[f.root] if f.root else member_of(roots, f.steps)
+            if kept[f.root]:
+                if done:
+                    kept_buffers += 1
+                else:
+                    kept_buffers += retained
+                    kept_pending.append(KeptArray(f.site, scope.ref(member), f.steps, retained))
             cache = by_cache.get(id(member))
             if cache is None:
                 cache = by_cache[id(member)] = _CacheTally(self._scope.ref(member))
@@ -597,6 +610,7 @@ class Watchdog:
                 if retained and len(site.paths) < MAX_PATHS_PER_SITE:
                     site.paths.append(f.path)
         del members
+        self._fixer.remember_kept(kept_pending)
 
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers
@@ -613,10 +627,13 @@ class Watchdog:
                 # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
                 # rate): the growth to forecast is what it leaves behind.
                 sample = resident - retained_buffers + reading.pending_arrays
+                kept_buffers += len(kept_pending) - sum(k.retained for k in kept_pending)
         # The first reading of a new decode pairs with no other (-1 is no epoch): see schedule.py.
         epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
         with self._lock:
-            self._growth.record(step, epoch, sites, sample, probe)
+            self._growth.record(
+                step, epoch, sites, sample, probe, kept=kept_buffers if found else None, kept_since=kept_since
+            )
             self._growth.update_leaks(fixing=self.fix and self._fixer.fixed_once)
             self._last = _LastReading(
                 step,
@@ -650,6 +667,12 @@ class Watchdog:
             pending = fixer.pending(
                 roots, walked_pending, self._growth.growing, sweep, self.max_objects, self.max_depth
             )
+            # A server's kept caches: their chains, at the sites seen leaking while they stepped.
+            leaking = self._growth.growing
+            if leaking is None:
+                leaking = {leak.site for leak in self._growth.leaks}
+            kept, kept_retained = fixer.kept_pending(leaking)
+            pending += kept
             if pending:
                 failed = schedule_evaluation(pending, mx.async_eval)
         except Exception as exc:  # counted and logged; the decode goes on
@@ -676,8 +699,10 @@ class Watchdog:
             # What the cut chains would have kept: the growth the probes measured, per step.
             per_step = growth.probed if growth.probed is not None else max(0.0, growth.rate)
             self.materialized_arrays += len(pending) - failed
-            if pending:
+            if len(pending) > len(kept):
                 self.reclaimed_buffers += per_step * (step - fixer.last_step)
+            # What the kept chains held, less the buffer each evaluated array keeps.
+            self.reclaimed_buffers += max(0.0, kept_retained - len(kept))
             if fixer.ran(step):  # the series' first fix
                 growth.fixed()
                 growth.update_leaks(fixing=True)
