@@ -76,6 +76,18 @@ class Scope:
         key = id(member)
         return step if key in self._current else self._used.get(key, step)
 
+    def kept_caches(self, step: int) -> list[tuple[Any, int]]:
+        """(cache, its last forward's step) of every cache kept at ``step``."""
+        out = []
+        for key, ref in self._members.copy().items():  # a copy: callbacks may remove entries
+            if key in self._current:
+                continue
+            used = self._used.get(key, step)
+            member = ref() if step - used >= KEPT_STEPS else None
+            if member is not None:
+                out.append((member, used))
+        return out
+
     def ref(self, member: Any) -> weakref.ref | None:
         """The weak reference to ``member`` when it is followed."""
         ref = self._members.get(id(member))

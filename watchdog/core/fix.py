@@ -14,7 +14,6 @@ from typing import Any
 import mlx.core as mx
 
 from .arrays import Found, find_arrays, resolve, scan
-from .caches import live_site
 from .graph import is_evaluated
 
 PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
@@ -82,17 +81,6 @@ def resolvable(steps: tuple) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class KeptArray:
-    """A pending array of a kept cache (``caches.py``), as a walk saw it: the fix finds it again
-    through the cache's weak reference, so a cache the server drops leaves nothing behind."""
-
-    site: str
-    cache: weakref.ref | None
-    steps: tuple
-    retained: float  # buffers its pending graph kept alive at that walk
-
-
-@dataclasses.dataclass(frozen=True)
 class Probe:
     """A fix-mode probe: the fix waits from ``start`` to ``end``; the walk at ``end`` reads what
     each site gained over ``buffers_by_site`` (the growth the fix cuts)."""
@@ -121,7 +109,12 @@ class Fixer:
         self.fixed_once = False
         self._paths: list[tuple] | None = None  # every array's access steps, from the last walk
         self._pending_paths: list[tuple] | None = None  # (site, steps) of its pending arrays
-        self._kept: list[KeptArray] = []  # the last walk's pending arrays of kept caches
+        # Kept caches already cut: id -> (weak reference, its last forward's step). A kept cache
+        # does not change until a forward uses it again, so each is cut once.
+        self._cut: dict[int, tuple[weakref.ref, int]] = {}
+        self._kept_retained: dict[
+            int, float
+        ] = {}  # id of a kept pending array -> what the last walk saw it hold
 
     def reset(self, step: int) -> None:
         self.probe = None
@@ -140,32 +133,40 @@ class Fixer:
         self._paths = [f.steps for f in found if f.root == 0 and resolvable(f.steps)]
         self._pending_paths = [(f.site, f.steps) for f in pending if resolvable(f.steps)]
 
-    def remember_kept(self, kept: list[KeptArray]) -> None:
-        """The pending arrays of kept caches seen by the last walk (any roots)."""
-        self._kept = kept
+    def remember_kept(self, retained: dict[int, float]) -> None:
+        """What the last walk saw each pending array of caches other than the roots' hold (by the
+        array's id): what cutting it frees once its cache is kept."""
+        self._kept_retained = retained
 
-    def kept_pending(self, leaking: Collection[str]) -> tuple[list[mx.array], float]:
-        """The pending arrays of kept caches at sites seen leaking while their caches stepped
-        (``leaking``: live site names), and the buffers their graphs held at the last walk.
+    def kept_pending(
+        self, kept: Sequence[tuple[Any, int]], leaking: Collection[str], max_objects: int, max_depth: int
+    ) -> tuple[list[mx.array], float]:
+        """The pending arrays of the kept caches not cut yet (``kept``: (cache, its last
+        forward's step), ``caches.Scope.kept_caches``) at sites seen leaking while caches stepped
+        (``leaking``: site names), and the buffers the last walk saw them hold.
 
         Only chains the program built and left: those of the sites the fix cuts in the caches
-        that step. A kept cache no longer changes, so each is scheduled once; the next walk
-        sees what is still pending."""
-        kept, self._kept = self._kept, []
+        that step (never a forward it did not evaluate). Found by a walk of the objects alone
+        (no graph walk): a cache is cut at the first fix after it is kept, walked or not."""
+        if not leaking:  # nothing known to leak yet: no cache is cut, or marked as cut
+            return [], 0.0
+        cut = self._cut
+        if len(cut) > 2 * len(kept) + 64:  # the dead ones go
+            self._cut = cut = {key: entry for key, entry in cut.items() if entry[0]() is not None}
         arrays, retained = [], 0.0
-        for k in kept:
-            if live_site(k.site) not in leaking or k.cache is None:
-                continue
-            cache = k.cache()
-            if cache is None:  # the server dropped it
+        for cache, used in kept:
+            key = id(cache)
+            entry = cut.get(key)
+            if entry is not None and entry[0]() is cache and entry[1] == used:
                 continue
             try:
-                value = resolve(cache, k.steps)
-            except Exception:  # the structure changed: the next walk will see the new one
+                cut[key] = (weakref.ref(cache), used)
+            except TypeError:  # takes no weak reference: the scope does not keep such caches
                 continue
-            if not _evaluated(value):
-                arrays.append(value)
-                retained += k.retained
+            for f in scan(cache, max_objects=max_objects, max_depth=max_depth).found:
+                if f.site in leaking and not _evaluated(f.array):
+                    arrays.append(f.array)
+                    retained += self._kept_retained.get(id(f.array), 0.0)
         return arrays, retained
 
     def forget_paths(self) -> None:

@@ -38,7 +38,7 @@ from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .attribution import Attribution
 from .caches import KEPT_MARK, Scope, member_of
 from .coordination import Coordinator, launched, new_coordinator
-from .fix import Fixer, KeptArray, Probe, evaluated_output, schedule_evaluation
+from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth, SiteTally
 from .limits import find_buffer_counter, resolve_limit, unseen_margin
 from .objects import type_name
@@ -583,16 +583,22 @@ class Watchdog:
 
         by_cache: dict[int, _CacheTally] = {}
         sites: dict[str, SiteTally] = {}
-        kept_buffers = 0.0
-        kept_pending: list[KeptArray] = []
+        kept_buffers = kept_retained = 0.0
+        kept_pending = 0
+        # id of a pending array of a cache other than the roots' -> what its graph holds: what
+        # the fix frees when it cuts it in a kept cache
+        held_by_others: dict[int, float] = {}
         for f, done, retained in zip(found, reading.evaluated, reading.retained):
             member = members[f.root] if f.root else member_of(roots, f.steps)
+            if f.root and not done:
+                held_by_others[id(f.array)] = retained
             if kept[f.root]:
                 if done:
                     kept_buffers += 1
                 else:
                     kept_buffers += retained
-                    kept_pending.append(KeptArray(f.site, scope.ref(member), f.steps, retained))
+                    kept_retained += retained
+                    kept_pending += 1
             cache = by_cache.get(id(member))
             if cache is None:
                 cache = by_cache[id(member)] = _CacheTally(self._scope.ref(member))
@@ -610,7 +616,7 @@ class Watchdog:
                 if retained and len(site.paths) < MAX_PATHS_PER_SITE:
                     site.paths.append(f.path)
         del members
-        self._fixer.remember_kept(kept_pending)
+        self._fixer.remember_kept(held_by_others)
 
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers
@@ -627,7 +633,7 @@ class Watchdog:
                 # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
                 # rate): the growth to forecast is what it leaves behind.
                 sample = resident - retained_buffers + reading.pending_arrays
-                kept_buffers += len(kept_pending) - sum(k.retained for k in kept_pending)
+                kept_buffers += kept_pending - kept_retained
         # The first reading of a new decode pairs with no other (-1 is no epoch): see schedule.py.
         epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
         with self._lock:
@@ -671,7 +677,9 @@ class Watchdog:
             leaking = self._growth.growing
             if leaking is None:
                 leaking = {leak.site for leak in self._growth.leaks}
-            kept, kept_retained = fixer.kept_pending(leaking)
+            kept, kept_retained = fixer.kept_pending(
+                self._scope.kept_caches(step), leaking, self.max_objects, self.max_depth
+            )
             pending += kept
             if pending:
                 failed = schedule_evaluation(pending, mx.async_eval)
@@ -701,8 +709,12 @@ class Watchdog:
             self.materialized_arrays += len(pending) - failed
             if len(pending) > len(kept):
                 self.reclaimed_buffers += per_step * (step - fixer.last_step)
-            # What the kept chains held, less the buffer each evaluated array keeps.
-            self.reclaimed_buffers += max(0.0, kept_retained - len(kept))
+            # What the kept chains held, less the buffer each evaluated array keeps: freed now,
+            # and out of the reading until the next walk (kept caches do not grow back).
+            freed = max(0.0, kept_retained - len(kept))
+            if freed:
+                self.reclaimed_buffers += freed
+                self._last = dataclasses.replace(self._last, resident=self._last.resident - freed)
             if fixer.ran(step):  # the series' first fix
                 growth.fixed()
                 growth.update_leaks(fixing=True)
