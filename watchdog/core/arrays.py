@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -79,11 +80,16 @@ def scan(obj: Any, *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH
 
 
 def scan_all(
-    roots: list[tuple[Any, str]], *, max_objects: int = MAX_OBJECTS, max_depth: int = MAX_DEPTH
+    roots: list[tuple[Any, str]],
+    *,
+    max_objects: int = MAX_OBJECTS,
+    max_depth: int = MAX_DEPTH,
+    marks: Sequence[str] = (),
 ) -> Scan:
     """Walk several roots, each ``(object, path prefix)``, as one: an array reachable from two
-    of them is found once. ``Found.root`` is the index of the root it was found from."""
-    walk = _Walk(max_objects, max_depth)
+    of them is found once. ``Found.root`` is the index of the root it was found from.
+    ``marks[i]``: appended to the site of every array found from root ``i`` (``caches.KEPT_MARK``)."""
+    walk = _Walk(max_objects, max_depth, marks)
     objects.begin_walk()
     try:
         walk.run(roots)
@@ -93,8 +99,9 @@ def scan_all(
 
 
 class _Walk:
-    def __init__(self, max_objects: int, max_depth: int) -> None:
+    def __init__(self, max_objects: int, max_depth: int, marks: Sequence[str] = ()) -> None:
         self.max_objects, self.max_depth = max_objects, max_depth
+        self.marks = marks
         self.found: list[Found] = []
         self.cut: collections.Counter[str] = collections.Counter()
         self.skipped: list[str] = []
@@ -102,7 +109,7 @@ class _Walk:
         self.items = 0
 
     def run(self, roots: list[tuple[Any, str]]) -> None:
-        found, seen, max_depth = self.found, set(), self.max_depth
+        found, seen, max_depth, marks = self.found, set(), self.max_depth, self.marks
         # Stack entries: (object, its type's info, path, site, steps, depth, root). Reversed
         # pushes keep natural order.
         stack: list[tuple[Any, objects.TypeInfo, str, str, tuple, int, int]] = [
@@ -116,6 +123,8 @@ class _Walk:
                 if id(value) not in seen:
                     seen.add(id(value))
                     if objects.usable_array(value):
+                        if root < len(marks) and marks[root]:
+                            site += marks[root]
                         found.append(Found(path or "<root>", site, value, steps, root))
                     else:
                         self.skip("error", path, t.name, "an mx.array never initialized")

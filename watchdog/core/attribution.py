@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from .arrays import MAX_SITE_LEN, follow
+from .caches import kept_site, live_site
 from .graph import is_evaluated
 
 MAX_RECORDS = 256  # assignments noted before a probe ends itself (a step of a very deep model)
@@ -172,7 +173,7 @@ class Attribution:
 
     def _start(self, leaks: Sequence, found: Sequence, roots: Sequence[Any]) -> None:
         for leak in leaks:
-            if leak.site in self._tried:
+            if leak.site in self._tried or kept_site(leak.site):  # a kept cache is rebound no more
                 continue
             self._tried.add(leak.site)
             target = _owner(leak.site, found, roots)
@@ -204,15 +205,17 @@ class Attribution:
             pass
 
     def annotate(self, leaks: tuple) -> tuple:
-        """``leaks`` with each one's ``source`` filled in where it is known."""
+        """``leaks`` with each one's ``source`` filled in where it is known. A kept cache's site
+        (``caches.py``) has the source found while caches of its class stepped."""
         if not self.sources or not leaks:
             return leaks
         key = (leaks, len(self.sources))
         if self._annotated[:2] == key:
             return self._annotated[2]
+        sources = self.sources
         out = tuple(
-            dataclasses.replace(leak, source=self.sources[leak.site])
-            if leak.source is None and leak.site in self.sources
+            dataclasses.replace(leak, source=sources[live_site(leak.site)])
+            if leak.source is None and live_site(leak.site) in sources
             else leak
             for leak in leaks
         )

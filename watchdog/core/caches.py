@@ -6,6 +6,12 @@ of those at once, so a reading walks them all. Caches are held by weak reference
 must not keep a finished request's buffers alive), and the set has a version that changes when
 a cache joins or dies, or its batch changes in place: readings of two versions are not points of
 one growth line.
+
+A cache that no forward has used for ``KEPT_STEPS`` steps and that is still alive is *kept*: a
+server's prefix or prompt cache holds it by reference after its request (a decoding batch, or
+decodes taking turns, pass theirs every step or every few). Its arrays are read under their site
+with the mark ``KEPT_MARK`` (``"ArraysCache.left_padding (kept)"``): they no longer grow, but
+every request may leave one more of them.
 """
 
 from __future__ import annotations
@@ -18,6 +24,20 @@ from . import objects
 from .objects import ARRAY, info
 
 MAX_MEMBERS = 4096  # caches followed at once; more are walked only while they are the roots
+# Steps without a forward after which a live cache is kept: decodes taking turns (a few) pass
+# theirs far more often, and a kept cache is named as such within this many steps of the next request.
+KEPT_STEPS = 16
+KEPT_MARK = " (kept)"  # appended to the site of a kept cache's arrays
+
+
+def kept_site(site: str) -> bool:
+    """Is ``site`` the site of kept caches' arrays?"""
+    return site.endswith(KEPT_MARK)
+
+
+def live_site(site: str) -> str:
+    """The site without its kept mark: where the arrays were rebound while the cache stepped."""
+    return site[: -len(KEPT_MARK)] if site.endswith(KEPT_MARK) else site
 
 
 class Scope:
@@ -25,21 +45,49 @@ class Scope:
         self._members: dict[int, weakref.ref] = {}  # id -> weak reference, in the order seen
         self.version = 0  # changes when a cache joins or dies
         self._current: frozenset[int] = frozenset()  # ids of the last roots' members
+        # id -> the last step a forward used it; the current roots' members are used every step
+        self._used: dict[int, int] = {}
 
-    def follow(self, roots: Any) -> bool:
-        """Make ``roots`` the current roots, adding their caches. Returns whether the set grew."""
-        grew, ids = self._add(roots)
+    def follow(self, roots: Any, step: int = 0) -> bool:
+        """Make ``roots`` the current roots at ``step``, adding their caches. Returns whether the
+        set grew."""
+        grew, ids = self._add(roots, step)
+        for key in self._current.difference(ids):  # used by every step until this one
+            if key in self._used:
+                self._used[key] = max(self._used[key], step - 1)
         self._current = frozenset(ids)
         return grew
 
-    def add(self, roots: Any) -> bool:
-        """Add the caches of ``roots`` (a prompt filled beside the current roots)."""
-        return self._add(roots)[0]
+    def add(self, roots: Any, step: int = 0) -> bool:
+        """Add the caches of ``roots`` (a prompt filled beside the current roots) at ``step``."""
+        return self._add(roots, step)[0]
+
+    def kept(self, member: Any, step: int) -> bool:
+        """Is ``member`` kept at ``step``: alive, followed, and unused by any forward for
+        ``KEPT_STEPS`` steps?"""
+        return step - self.last_used(member, step) >= KEPT_STEPS
 
     def current(self, member: Any) -> bool:
         """Is ``member`` one of the current roots' caches (not a new object that took its id)?"""
         ref = self._members.get(id(member))
         return id(member) in self._current and ref is not None and ref() is member
+
+    def last_used(self, member: Any, step: int) -> int:
+        """The last step a forward used ``member`` (``step`` for the current roots' caches)."""
+        key = id(member)
+        return step if key in self._current else self._used.get(key, step)
+
+    def kept_caches(self, step: int) -> list[tuple[Any, int]]:
+        """(cache, its last forward's step) of every cache kept at ``step``."""
+        out = []
+        for key, ref in self._members.copy().items():  # a copy: callbacks may remove entries
+            if key in self._current:
+                continue
+            used = self._used.get(key, step)
+            member = ref() if step - used >= KEPT_STEPS else None
+            if member is not None:
+                out.append((member, used))
+        return out
 
     def ref(self, member: Any) -> weakref.ref | None:
         """The weak reference to ``member`` when it is followed."""
@@ -50,7 +98,7 @@ class Scope:
         """Weak references to the caches followed now (to ask later whether any of them lives)."""
         return tuple(self._members.copy().values())
 
-    def _add(self, roots: Any) -> tuple[bool, list[int]]:
+    def _add(self, roots: Any, step: int) -> tuple[bool, list[int]]:
         ids = []
         grew = False
         for member in _members(roots):
@@ -58,6 +106,7 @@ class Scope:
             ids.append(key)
             ref = self._members.get(key)
             if ref is not None and ref() is member:
+                self._used[key] = step
                 continue
             if len(self._members) >= MAX_MEMBERS:
                 continue
@@ -65,6 +114,7 @@ class Scope:
                 self._members[key] = weakref.ref(member, self._gone(key))
             except TypeError:  # takes no weak reference: walked only as part of the roots
                 continue
+            self._used[key] = step
             grew = True
         if grew:
             self.version += 1
@@ -100,6 +150,7 @@ class Scope:
         def forget(ref: weakref.ref) -> None:  # may run on any thread, at any allocation
             if self._members.get(key) is ref:
                 del self._members[key]
+                self._used.pop(key, None)
                 self.version += 1
 
         return forget

@@ -7,7 +7,8 @@ device work runs later, and the program waits on nothing it did not wait on befo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -108,6 +109,12 @@ class Fixer:
         self.fixed_once = False
         self._paths: list[tuple] | None = None  # every array's access steps, from the last walk
         self._pending_paths: list[tuple] | None = None  # (site, steps) of its pending arrays
+        # Kept caches already cut: id -> (weak reference, its last forward's step). A kept cache
+        # does not change until a forward uses it again, so each is cut once.
+        self._cut: dict[int, tuple[weakref.ref, int]] = {}
+        self._kept_retained: dict[
+            int, float
+        ] = {}  # id of a kept pending array -> what the last walk saw it hold
 
     def reset(self, step: int) -> None:
         self.probe = None
@@ -125,6 +132,42 @@ class Fixer:
         """The paths of a walk of the roots (root 0): where the fix re-reads between walks."""
         self._paths = [f.steps for f in found if f.root == 0 and resolvable(f.steps)]
         self._pending_paths = [(f.site, f.steps) for f in pending if resolvable(f.steps)]
+
+    def remember_kept(self, retained: dict[int, float]) -> None:
+        """What the last walk saw each pending array of caches other than the roots' hold (by the
+        array's id): what cutting it frees once its cache is kept."""
+        self._kept_retained = retained
+
+    def kept_pending(
+        self, kept: Sequence[tuple[Any, int]], leaking: Collection[str], max_objects: int, max_depth: int
+    ) -> tuple[list[mx.array], float]:
+        """The pending arrays of the kept caches not cut yet (``kept``: (cache, its last
+        forward's step), ``caches.Scope.kept_caches``) at sites seen leaking while caches stepped
+        (``leaking``: site names), and the buffers the last walk saw them hold.
+
+        Only chains the program built and left: those of the sites the fix cuts in the caches
+        that step (never a forward it did not evaluate). Found by a walk of the objects alone
+        (no graph walk): a cache is cut at the first fix after it is kept, walked or not."""
+        if not leaking:  # nothing known to leak yet: no cache is cut, or marked as cut
+            return [], 0.0
+        cut = self._cut
+        if len(cut) > 2 * len(kept) + 64:  # the dead ones go
+            self._cut = cut = {key: entry for key, entry in cut.items() if entry[0]() is not None}
+        arrays, retained = [], 0.0
+        for cache, used in kept:
+            key = id(cache)
+            entry = cut.get(key)
+            if entry is not None and entry[0]() is cache and entry[1] == used:
+                continue
+            try:
+                cut[key] = (weakref.ref(cache), used)
+            except TypeError:  # takes no weak reference: the scope does not keep such caches
+                continue
+            for f in scan(cache, max_objects=max_objects, max_depth=max_depth).found:
+                if f.site in leaking and not _evaluated(f.array):
+                    arrays.append(f.array)
+                    retained += self._kept_retained.get(id(f.array), 0.0)
+        return arrays, retained
 
     def forget_paths(self) -> None:
         """Other roots: the paths of the last walk lead elsewhere now."""

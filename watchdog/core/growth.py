@@ -10,6 +10,10 @@ A leak is long-run growth. A program that evaluates its cache state every N step
 is read as one once a reading of an epoch sees its retained buffers drop (``Teeth``): from then on
 it grows as its peaks grow, and peaks that do not grow make it *bounded*, no leak. Until a cut is
 seen, a growing chain is a leak, read as fast as any other.
+
+A server's kept caches (``caches.py``) grow across epochs, not within one: a request's caches join
+the kept ones when it ends, one more per request, each no longer growing. Their buffers and their
+sites are read by the long-run slope over the window (``kept_slope``), across epochs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from . import forecast as fc
+from .caches import kept_site
 
 if TYPE_CHECKING:
     from .fix import Probe
@@ -179,11 +184,50 @@ class SiteSeries:
         return statistics.median(self.growth)
 
 
+class KeptSeries:
+    """Buffers of kept caches over steps. They change only when one more cache is kept (a request
+    ended) or one is dropped: a staircase. A cache is known to be kept some steps after its last
+    forward, so each rise is placed at that forward (``since``), and the slope is read from stair
+    to stair: the buffers each request left over the steps it took, whatever the readings between
+    (a window of readings may span less than one request of a busy server). When no cache is
+    kept for longer than a stair's typical width, the slope falls with the steps."""
+
+    def __init__(self) -> None:
+        self.changes: collections.deque[tuple[int, float]] = collections.deque(maxlen=SAMPLE_WINDOW)
+        self.step = 0  # of the last reading
+
+    def add(self, step: int, buffers: float, since: int | None = None) -> None:
+        """A reading at ``step``; ``since``: the last forward of the newest kept cache."""
+        if not self.changes or round(buffers) != round(self.changes[-1][1]):
+            rise = bool(self.changes) and buffers > self.changes[-1][1]
+            at = since if rise and since is not None else step  # a drop: when it was seen
+            self.changes.append((max(at, self.changes[-1][0] + 1) if self.changes else at, buffers))
+        self.step = step
+
+    def slope(self) -> float:
+        """Buffers per step, 0 before a change."""
+        changes = list(self.changes)
+        if len(changes) >= 3:  # from the first change on: whole stairs (when the first began is unknown)
+            changes = changes[1:]
+        n = len(changes)
+        if n < 2:
+            return 0.0
+        (s0, b0), (s1, b1) = changes[0], changes[-1]
+        end = max(s1, self.step - (s1 - s0) / (n - 1))
+        return (b1 - b0) / (end - s0)
+
+    def clear(self) -> None:
+        self.changes.clear()
+
+
 class Growth:
     """The growth measured since the last reset (a new decode, or the first step after idle)."""
 
     def __init__(self) -> None:
         self.samples: collections.deque = collections.deque(maxlen=SAMPLE_WINDOW)
+        self.kept = KeptSeries()  # every kept cache's buffers
+        self.kept_sites: dict[str, KeptSeries] = {}
+        self.live_rate = 0.0  # the growth of the caches that step, from the epochs' slopes
         self.sites: dict[str, SiteSeries] = {}
         self.leaks: tuple[fc.Leak, ...] = ()
         self.bounded: tuple[fc.Bounded, ...] = ()  # sites the program cuts, whose peaks do not grow
@@ -202,12 +246,22 @@ class Growth:
         probe: Probe | None,
         fixing: bool = False,
         sampled: bool = False,
+        kept: float | None = None,
+        kept_since: int | None = None,
     ) -> None:
         """One reading. ``sample``: the buffers to fit the rate on (None: no sample, e.g. an empty
         cache). ``probe``: the fix-mode probe this reading ends (its growth per site). ``fixing``:
         the fix cuts chains now, so a cut is no longer the program's. ``sampled``: the reading
-        walked a sample of the graphs."""
+        walked a sample of the graphs. ``kept``: the buffers of kept caches (None: no sample);
+        ``kept_since``: the last forward of the newest of them."""
         for site, tally in sites.items():
+            if probe is None and kept is not None and kept_site(site):
+                at_site = self.kept_sites.get(site)
+                if at_site is None:
+                    at_site = self.kept_sites[site] = KeptSeries()
+                    if self.kept.changes:  # none of it at the last reading
+                        at_site.add(self.kept.step, 0.0)
+                at_site.add(step, tally.held + tally.retained, kept_since)
             series = self.sites.get(site) or self.sites.setdefault(site, SiteSeries())
             buffers = tally.held + tally.retained
             if probe is not None:
@@ -227,7 +281,19 @@ class Growth:
             self.samples.append((step, sample, epoch))
             rate = self._long_run_rate()
             if rate is not None:
-                self.rate, self.known = rate, True
+                self.live_rate, self.known = rate, True
+        if probe is None and kept is not None:
+            self.kept.add(step, kept, kept_since)
+            for site, at_site in self.kept_sites.items():
+                if site not in sites:  # its caches were dropped, or are stepped again
+                    at_site.add(step, 0.0)
+        self._combine()
+
+    def _combine(self) -> None:
+        """The rate: the caches that step grow, and so does the number of kept ones. A kept cache
+        stepped first, so the growth it brings was read first as theirs: the larger of the two
+        is the long-run growth, not their sum."""
+        self.rate = max(self.live_rate, self.kept.slope())
 
     def _long_run_rate(self) -> float | None:
         """The slope of the samples, with each site the program cuts counted by its peaks' growth
@@ -249,14 +315,23 @@ class Growth:
         """The first fix ran: the readings so far counted what it now cuts. From here on the growth
         is what it leaves, known at once from the probes (the total less what they saw it cut)."""
         self.samples.clear()
+        self.kept.clear()  # the fix cuts the kept chains too: their growth is measured afresh
+        for series in self.kept_sites.values():
+            series.clear()
         if self.probed is not None:
-            self.rate = max(0.0, self.rate - self.probed)
+            self.live_rate = max(0.0, self.live_rate - self.probed)
+        self._combine()
 
     def update_leaks(self, fixing: bool) -> None:
         """Per-site rates, once per reading (not per step or per scrape)."""
         leaks, probed, growing, bounded = [], [], set(), []
         excess = 0.0
         for site, series in self.sites.items():
+            if kept_site(site):  # no probe sees them grow: they grow by one more kept cache
+                kept_rate = self.kept_sites[site].slope() if site in self.kept_sites else 0.0
+                if kept_rate > LEAK_THRESHOLD:
+                    leaks.append(fc.Leak(site, series.paths, kept_rate, int(round(series.buffers))))
+                continue
             site_probed = series.probed_rate()
             grows = site_probed is not None and site_probed > LEAK_THRESHOLD
             if site_probed is not None:

@@ -36,7 +36,7 @@ from . import forecast as fc
 from .actions import ResourceLimitForecast, Warnings, remedy
 from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all
 from .attribution import Attribution
-from .caches import Scope, member_of
+from .caches import KEPT_MARK, Scope, member_of
 from .coordination import Coordinator, launched, new_coordinator
 from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth, SiteTally
@@ -526,9 +526,9 @@ class Watchdog:
             # A prompt filling its own caches (BatchGenerator does that before they join the
             # batch): they hold buffers, so they are read; but the decode being followed goes on.
             # Its ids are not kept, or its next chunk would pass for a step of that decode.
-            self._scope.add(roots)
+            self._scope.add(roots, self.steps)
             return False
-        self._scope.follow(roots)
+        self._scope.follow(roots, self.steps + 1)  # the step this forward is
         before, self._root_ids = self._root_ids, ids
         self._fixer.forget_paths()
         if before is None or before[1:] != ids[1:]:  # other caches (not a list made anew each step)
@@ -572,13 +572,18 @@ class Watchdog:
         fix-mode probe this reading ends."""
         self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
         t0, cpu0 = time.perf_counter(), graph.cpu_clock()
-        others = self._scope.others() if roots is not None else self._scope.members()
+        scope = self._scope
+        others = scope.others() if roots is not None else scope.members()
         given = roots is not None
         roots = () if roots is None else roots
+        # A server's kept caches (caches.py): their arrays under sites of their own
+        kept = [False] + [scope.kept(c, step) for c in others]
+        kept_since = max((scope.last_used(c, step) for c, k in zip(others, kept[1:]) if k), default=None)
         result = scan_all(
             [(roots, "")] + [(c, f"<{type_name(c)}#{k}>") for k, c in enumerate(others)],
             max_objects=self.max_objects,
             max_depth=self.max_depth,
+            marks=[KEPT_MARK if k else "" for k in kept],
         )
         root_keys = [0] + [id(c) for c in others]  # ids name the other caches while they live
         members = [None] + others
@@ -605,7 +610,21 @@ class Watchdog:
 
         by_cache: dict[int, _CacheTally] = {}
         sites: dict[str, SiteTally] = {}
+        kept_buffers = kept_retained = 0.0
+        kept_pending = 0
+        # id of a pending array of a cache other than the roots' -> what its graph holds: what
+        # the fix frees when it cuts it in a kept cache
+        held_by_others: dict[int, float] = {}
         for f, (member, _), done, retained in zip(found, owners, reading.evaluated, reading.retained):
+            if f.root and not done:
+                held_by_others[id(f.array)] = retained
+            if kept[f.root]:
+                if done:
+                    kept_buffers += 1
+                else:
+                    kept_buffers += retained
+                    kept_retained += retained
+                    kept_pending += 1
             cache = by_cache.get(id(member))
             if cache is None:
                 cache = by_cache[id(member)] = _CacheTally(self._scope.ref(member))
@@ -623,6 +642,7 @@ class Watchdog:
                 if retained and len(site.paths) < MAX_PATHS_PER_SITE:
                     site.paths.append(f.path)
         del members, owners
+        self._fixer.remember_kept(held_by_others)
 
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers
@@ -639,11 +659,22 @@ class Watchdog:
                 # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
                 # rate): the growth to forecast is what it leaves behind.
                 sample = resident - retained_buffers + reading.pending_arrays
+                kept_buffers += kept_pending - kept_retained
         # The first reading of a new decode pairs with no other (-1 is no epoch): see schedule.py.
         epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
         fixing = self.fix and self._fixer.fixed_once
         with self._lock:
-            self._growth.record(step, epoch, sites, sample, probe, fixing, reading.sampled)
+            self._growth.record(
+                step,
+                epoch,
+                sites,
+                sample,
+                probe,
+                fixing,
+                reading.sampled,
+                kept=kept_buffers if found else None,
+                kept_since=kept_since,
+            )
             self._growth.update_leaks(fixing)
             self._last = _LastReading(
                 step,
@@ -677,6 +708,14 @@ class Watchdog:
             pending = fixer.pending(
                 roots, walked_pending, self._growth.growing, sweep, self.max_objects, self.max_depth
             )
+            # A server's kept caches: their chains, at the sites seen leaking while they stepped.
+            leaking = self._growth.growing
+            if leaking is None:
+                leaking = {leak.site for leak in self._growth.leaks}
+            kept, kept_retained = fixer.kept_pending(
+                self._scope.kept_caches(step), leaking, self.max_objects, self.max_depth
+            )
+            pending += kept
             if pending:
                 failed = schedule_evaluation(pending, mx.async_eval)
         except Exception as exc:  # counted and logged; the decode goes on
@@ -702,8 +741,14 @@ class Watchdog:
             # What the cut chains would have kept: the growth the probes measured, per step.
             per_step = growth.probed if growth.probed is not None else max(0.0, growth.rate)
             self.materialized_arrays += len(pending) - failed
-            if pending:
+            if len(pending) > len(kept):
                 self.reclaimed_buffers += per_step * (step - fixer.last_step)
+            # What the kept chains held, less the buffer each evaluated array keeps: freed now,
+            # and out of the reading until the next walk (kept caches do not grow back).
+            freed = max(0.0, kept_retained - len(kept))
+            if freed:
+                self.reclaimed_buffers += freed
+                self._last = dataclasses.replace(self._last, resident=self._last.resident - freed)
             if fixer.ran(step):  # the series' first fix
                 growth.fixed()
                 growth.update_leaks(fixing=True)
