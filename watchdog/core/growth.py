@@ -225,7 +225,7 @@ class Growth:
                 series.paths = tuple(tally.paths)
         if probe is None and sample is not None:
             self.samples.append((step, sample, epoch))
-            rate = self._long_run_rate()
+            rate = fc.epoch_slope(self.samples) if fixing else self._long_run_rate()
             if rate is not None:
                 self.rate, self.known = rate, True
 
