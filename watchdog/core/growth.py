@@ -145,7 +145,7 @@ class SiteSeries:
         self.epoch_start = 0  # the step of its first reading in that epoch
         self.sampled = False  # its last reading walked a sample of the graphs
         self.last_step = 0
-        self.teeth: Teeth | None = None  # the current epoch's, once the program was seen to cut it
+        self.teeth: Teeth | None = None  # once the program was seen to cut it (until it stops)
 
     def read_cuts(self, step: int, buffers: float, tally: SiteTally, epoch: int, sampled: bool) -> None:
         """One reading (not fixing): a cut when the retained buffers fell since the last reading
@@ -279,7 +279,7 @@ class Growth:
                 series.paths = tuple(tally.paths)
         if probe is None and sample is not None:
             self.samples.append((step, sample, epoch))
-            rate = self._long_run_rate()
+            rate = fc.epoch_slope(self.samples) if fixing else self._long_run_rate()
             if rate is not None:
                 self.live_rate, self.known = rate, True
         if probe is None and kept is not None:
