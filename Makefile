@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 MLX_LM_VERSION = $(shell $(PY) -c "import importlib.metadata as m; print(m.version('mlx-lm'))")
 MLX_LM_SDIST   := .cache/mlx-lm-sdist
 
-.PHONY: demo test lint typecheck docs docs-image system-deps sdist bench clean
+.PHONY: demo test test-peers lint typecheck docs docs-image system-deps sdist bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,8 +46,16 @@ $(MLX_LM_SDIST)/.done: $(STAMP)
 sdist: $(MLX_LM_SDIST)/.done
 
 # lint and typecheck first: CI fails on them before the tests run (and before minutes of tests).
-test: lint typecheck system-deps $(STAMP) sdist
-	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider
+test: lint typecheck system-deps $(STAMP) sdist test-peers
+	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_peers.py
+
+# The servers users run (vllm-mlx, mlx-vlm's server), from PyPI, in an environment of their own
+# cached outside the clone (tests/peers/envs.py, ~/.cache/mlx-watchdog/peers), then their
+# end-to-end tests under `mlx-watchdog run`. A failed install fails under CI=true; elsewhere the
+# tests skip loudly.
+test-peers: $(STAMP)
+	$(PY) tests/peers/envs.py || [ "$$CI" != true ]
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_peers.py
 
 # ruff (lint and format) and mypy, as configured in pyproject.toml. mypy reads the package through
 # .cache/typecheck, links that put exporters/ inside mlx_watchdog as the wheel does.

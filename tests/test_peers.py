@@ -1,0 +1,504 @@
+"""The servers users run, from PyPI, watched by ``mlx-watchdog run`` with no line of them changed:
+vllm-mlx 0.6.0 (``vllm-mlx serve DIR --continuous-batching``) and mlx-vlm 0.7.10's server
+(``python -m mlx_vlm.server --model DIR``), each on a tiny qwen3_next (hybrid) and a tiny llama
+(flat), driven by overlapping chat requests (several clients at once, some streaming).
+
+They run in an environment of their own (tests/peers/envs.py, cached outside the clone; built
+on first use). vllm-mlx is installed --no-deps: its declared dependencies pull torchvision and
+with it a multi-GB CUDA torch that its text path never imports; tests/peers/requirements.txt
+lists what that path and mlx-vlm's server do import, with mlx-lm 0.31.3 (vllm-mlx pins < 0.32).
+
+The truth is counted inside each server process: a test-only ``sitecustomize``
+(tests/peers/truth), which ``run``'s bootstrap runs after its own, hooks MLX's allocator
+(exact_buffers) and writes the exact live-buffer count at the entry of every forward pass to a
+file. The leak a batch leaves per step is the rise of that count over the steps of one batch.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support import LOOPBACK, free_port, http_get, log_tail, missing, stop_process, wait_ready
+
+TESTS = Path(__file__).resolve().parent
+PEERS = TESTS / "peers"
+TRUTH_ENV = "MLX_WATCHDOG_PEERS_TRUTH"  # tests/peers/truth/sitecustomize.py
+HYBRID, FLAT = "tiny-qwen3-next", "tiny-llama"
+LEAK = 5  # 8 layers, full attention every 4th: 6 linear-attention layers leak 5 buffers a step
+CLIENTS = 4  # overlapping requests; the odd ones stream
+TOKENS = 200  # max_tokens of each
+STEADY = 64  # forward passes of one batch, at least, for a slope (a half spans 2 fixes)
+TOLERANCE = 0.05  # the reading, within 5% of the truth (of LEAK where the truth is about 0)
+
+# vllm-mlx's stop: a second batch that grows until the forecast puts --limit within --stop-within.
+VLLM_STOP_ARGS = ("--limit", "3000", "--stop-within", "100")
+STOP_TOKENS = 1000
+# Prompts the tiny hybrid answers at length when greedy (1,000 and 751 tokens; most others reach
+# the end token within 170-330): the batch lives, and grows, until the stop. (vllm-mlx ignored a
+# logit_bias barring the end token here, sent after requests without one.)
+STOP_PROMPTS = (7, 10)
+# mlx-vlm's hybrid does not grow (see below): its stop is made to fire by a limit over the buffers
+# one request holds (153 here) and under what a batch of two or more holds (189 and more).
+MLX_VLM_LIMIT = 170
+
+
+# --------------------------------------------------------------------------- environment
+
+
+@pytest.fixture(scope="module")
+def peer_env(tmp_path_factory) -> dict:
+    """The servers' environment (built or found) and this checkout's mlx-watchdog beside it."""
+    from peers import envs
+
+    started = time.monotonic()
+    try:
+        env = envs.ensure()
+        target = tmp_path_factory.mktemp("mlx-watchdog-checkout")
+        envs.install_checkout(env, target)
+    except envs.InstallError as exc:
+        missing(f"the peer servers' environment cannot be built: {exc}")
+    print(
+        f"\nthe servers' environment and this checkout: {time.monotonic() - started:.1f} s", file=sys.stderr
+    )
+    return {"env": env, "python": envs.python_of(env), "target": target}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    from mlx_watchdog.tiny import save_model_dir
+
+    root = tmp_path_factory.mktemp("peer-models")
+    return {
+        HYBRID: save_model_dir(root / HYBRID, "qwen3_next", layers=8),
+        FLAT: save_model_dir(root / FLAT, "llama", layers=4),
+    }
+
+
+# --------------------------------------------------------------------------- a server under run
+
+
+def server_command(peer: str, env: Path, model: Path, port: int) -> list[str]:
+    if peer == "vllm-mlx":
+        return [str(env / "bin" / "vllm-mlx"), "serve", str(model), "--host", LOOPBACK, "--port", str(port),
+                "--continuous-batching"]  # fmt: skip
+    return [str(env / "bin" / "python"), "-m", "mlx_vlm.server", "--model", str(model), "--host", LOOPBACK,
+            "--port", str(port)]  # fmt: skip
+
+
+@dataclass
+class Reply:
+    """What one client saw."""
+
+    stream: bool
+    status: int = 0
+    text: str = ""
+    finish: str | None = None
+    done: bool = False  # a stream's `data: [DONE]`
+    errors: list = field(default_factory=list)  # a stream's error events, or a failed reply's body
+
+
+class Peer:
+    """``python -m mlx_watchdog run --metrics-port M WATCHDOG_ARGS -- <server> --port P``."""
+
+    def __init__(self, peer: str, peer_env: dict, model: Path, tmp: Path, watchdog_args=()):
+        self.peer, self.tmp = peer, tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.port, self.metrics_port = free_port(), free_port()
+        self.truth_file, self.log = tmp / "truth.jsonl", tmp / "run.log"
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=os.pathsep.join([str(PEERS / "truth"), str(peer_env["target"])]),
+            MLX_WATCHDOG_PEERS_TESTS=str(TESTS),
+            HOME=str(tmp),  # vllm-mlx keeps its prefix cache under ~/.cache: one per run
+            HF_HUB_OFFLINE="1",
+            **{TRUTH_ENV: str(self.truth_file)},
+        )
+        command = server_command(peer, peer_env["env"], model, self.port)
+        cmd = [str(peer_env["python"]), "-m", "mlx_watchdog", "run", "--metrics-port", str(self.metrics_port),
+               *watchdog_args, "--", *command]  # fmt: skip
+        started = time.monotonic()
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        wait_ready(f"http://{LOOPBACK}:{self.port}/v1/models", self.proc, timeout=240, log=self.log)
+        self.start_seconds = time.monotonic() - started
+
+    def stop(self) -> None:
+        stop_process(self.proc, timeout=30)  # SIGTERM, passed on: the server shuts down
+        stop_process(self.proc, group=True)
+
+    # ---------------------------------------------------------------- requests
+
+    def chat(self, model: Path, i: int, stream: bool, max_tokens: int) -> Reply:
+        body = {
+            "model": str(model),
+            "messages": [{"role": "user", "content": f"Tell me a story, number {i}."}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+        }
+        reply = Reply(stream)
+        conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=300)
+        try:
+            conn.request(
+                "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+            )
+            response = conn.getresponse()
+            reply.status = response.status
+            if response.status != 200:
+                reply.errors.append(response.read().decode(errors="replace"))
+            elif not stream:
+                choice = json.loads(response.read())["choices"][0]
+                reply.text, reply.finish = choice["message"]["content"] or "", choice.get("finish_reason")
+            else:
+                for raw in response:
+                    line = raw.decode(errors="replace").strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        reply.done = True
+                        continue
+                    event = json.loads(data)
+                    if "error" in event:
+                        reply.errors.append(event["error"])
+                        continue
+                    for choice in event.get("choices", []):
+                        reply.text += (choice.get("delta") or {}).get("content") or ""
+                        reply.finish = choice.get("finish_reason") or reply.finish
+        finally:
+            conn.close()
+        return reply
+
+    def overlapping(
+        self,
+        model: Path,
+        prompts: Sequence[int] = range(CLIENTS),
+        max_tokens: int = TOKENS,
+        *,
+        one_by_one: bool = False,
+    ) -> dict:
+        """A request for each prompt number, each started 0.2 s after the one before
+        (``one_by_one``: after it ended), every second one streaming, with /metrics scraped every
+        0.25 s while they run."""
+        replies: list[Reply | None] = [None] * len(prompts)
+        failures: list[BaseException] = []
+
+        def client(i: int) -> None:
+            try:
+                replies[i] = self.chat(model, prompts[i], stream=i % 2 == 1, max_tokens=max_tokens)
+            except BaseException as exc:  # reported by the test
+                failures.append(exc)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        scrapes: list[tuple[float, str]] = []
+        for thread in threads:
+            thread.start()
+            if one_by_one:
+                thread.join()
+            time.sleep(0.2)
+        while any(t.is_alive() for t in threads):
+            scrapes.append((time.monotonic(), self.metrics()))
+            time.sleep(0.25)
+        for thread in threads:
+            thread.join()
+        assert not failures, failures
+        return {"replies": replies, "scrapes": scrapes, "metrics": self.metrics()}
+
+    def metrics(self) -> str:
+        status, body = http_get(f"http://{LOOPBACK}:{self.metrics_port}/metrics", timeout=10)
+        assert status == 200, body
+        return body.decode()
+
+    def truth(self) -> list[dict]:
+        if not self.truth_file.exists():
+            return []
+        return [json.loads(line) for line in self.truth_file.read_text().splitlines() if line.endswith("}")]
+
+
+# --------------------------------------------------------------------------- readings
+
+
+def values(text: str, name: str, **labels) -> list[float]:
+    return [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    ]
+
+
+def reading(workload: dict, watchdog: str) -> float:
+    """The watchdog's growth read while the batch decoded: its last scrape with a measured rate."""
+    read = [
+        values(text, "mlx_watchdog_buffers_per_step", watchdog=watchdog)
+        for _, text in workload["scrapes"]
+        if values(text, "mlx_watchdog_rate_known", watchdog=watchdog) == [1.0]
+        and values(text, "mlx_watchdog_decoding", watchdog=watchdog) == [1.0]
+    ]
+    assert read, f"no scrape of {watchdog} with a measured rate while it decoded"
+    return read[-1][0]
+
+
+def steady_rates(records: list[dict], since: float, until: float) -> list[tuple[int, int, float]]:
+    """(batch size, forward passes, buffers per step) of each run of decode steps (inputs of one
+    token per row) at one batch size, between two times, from the exact count: the rise of its
+    peak from the run's first half to its second, per step. That is the slope of a steady leak,
+    and 0 for a count that the fix (every fix_every steps) or the server (mlx-vlm: every 50) brings
+    back down, whatever the phase the run starts in. A run's first pass is left out: it runs while
+    the joining request's own cache is still apart."""
+    window = [r for r in records if since <= r["t"] <= until]
+    rates = []
+    for (_, shape), group in itertools.groupby(window, key=lambda r: (r["pid"], tuple(r["shape"]))):
+        live = [r["live"] for r in group][1:]
+        if len(shape) == 2 and shape[1] == 1 and len(live) >= STEADY:
+            half = len(live) // 2
+            rates.append(
+                (shape[0], len(live) + 1, (max(live[half:]) - max(live[:half])) / (len(live) - half))
+            )
+    return rates
+
+
+def truth_rate(peer: Peer, workload: dict) -> float:
+    """The leak per step, exactly: the rate over the longest steady run of the workload."""
+    scrapes = workload["scrapes"]
+    if not peer.truth():
+        missing(f"no truth was counted in the server (exact_buffers in its process):\n{log_tail(peer.log)}")
+    rates = steady_rates(peer.truth(), scrapes[0][0] - 5, scrapes[-1][0])
+    assert rates, f"no run of {STEADY} decode steps at one batch size in the truth"
+    return max(rates, key=lambda r: r[1])[2]
+
+
+def errors_total(text: str) -> list[float]:
+    return values(text, "mlx_watchdog_internal_errors_total")
+
+
+def resident(workload: dict, watchdog: str) -> list[float]:
+    return [
+        v
+        for _, text in workload["scrapes"]
+        for v in values(text, "mlx_watchdog_resident_buffers", watchdog=watchdog)
+    ]
+
+
+# --------------------------------------------------------------------------- the runs
+
+
+class Runs:
+    """Each server run of the plan, once per module, on first use; the tests read them.
+
+    vllm-mlx serves one model per process: ``watched`` (the hybrid, then a batch that grows until
+    the stop, then requests after it), ``fixed`` (the hybrid, --fix) and ``flat`` (the llama).
+    mlx-vlm's server loads the model each request names: ``watched`` and ``fixed`` serve the
+    hybrid, then the llama; ``stopped`` serves the hybrid under a --limit that its batch crosses and
+    a request alone does not (no growth to forecast there: the batch is over the limit)."""
+
+    def __init__(self, peer_env: dict, models: dict[str, Path], tmp: Path):
+        self.peer_env, self.models, self.tmp = peer_env, models, tmp
+        self.done: dict[tuple[str, str], dict] = {}
+
+    def get(self, peer: str, kind: str) -> dict:
+        if (peer, kind) not in self.done:
+            started = time.monotonic()
+            self.done[peer, kind] = getattr(self, kind)(peer)
+            print(f"\n{peer} {kind}: {time.monotonic() - started:.1f} s", file=sys.stderr)
+        return self.done[peer, kind]
+
+    def serve(self, peer: str, kind: str, model: str, *watchdog_args: str) -> Peer:
+        return Peer(peer, self.peer_env, self.models[model], self.tmp / f"{peer}-{kind}", watchdog_args)
+
+    def finish(self, server: Peer, result: dict) -> dict:
+        result.update(metrics=server.metrics(), log=server.log, start_seconds=server.start_seconds)
+        return result
+
+    def measured(self, server: Peer, model: str) -> dict:
+        workload = server.overlapping(self.models[model])
+        workload["truth"] = truth_rate(server, workload)
+        read = reading(workload, model)
+        print(
+            f"\n{server.peer} {model}: exact {workload['truth']:.3f} buffers/step, read {read:.3f}",
+            file=sys.stderr,
+        )
+        return workload
+
+    def watched(self, peer: str) -> dict:
+        if peer == "vllm-mlx":
+            server = self.serve(peer, "watched", HYBRID, *VLLM_STOP_ARGS)
+            try:
+                result = {HYBRID: self.measured(server, HYBRID)}
+                result["stop"] = server.overlapping(self.models[HYBRID], STOP_PROMPTS, max_tokens=STOP_TOKENS)
+                result["after"] = server.overlapping(self.models[HYBRID], range(2), max_tokens=20)
+                return self.finish(server, result)
+            finally:
+                server.stop()
+        server = self.serve(peer, "watched", HYBRID)
+        try:
+            return self.finish(
+                server, {HYBRID: self.measured(server, HYBRID), FLAT: self.measured(server, FLAT)}
+            )
+        finally:
+            server.stop()
+
+    def fixed(self, peer: str) -> dict:
+        server = self.serve(peer, "fixed", HYBRID, "--fix")
+        try:
+            result = {HYBRID: self.measured(server, HYBRID)}
+            if peer == "mlx-vlm":
+                result[FLAT] = self.measured(server, FLAT)
+            return self.finish(server, result)
+        finally:
+            server.stop()
+
+    def flat(self, peer: str) -> dict:
+        if peer == "mlx-vlm":
+            return self.get(peer, "watched")
+        server = self.serve(peer, "flat", FLAT)
+        try:
+            return self.finish(server, {FLAT: self.measured(server, FLAT)})
+        finally:
+            server.stop()
+
+    def stopped(self, peer: str) -> dict:
+        if peer == "vllm-mlx":
+            return self.get(peer, "watched")
+        server = self.serve(peer, "stopped", HYBRID, "--limit", str(MLX_VLM_LIMIT), "--stop-within", "10")
+        try:
+            result = {"stop": server.overlapping(self.models[HYBRID])}
+            # one request at a time: each alone holds fewer buffers than the limit, once the failed
+            # batch's caches are gone (the first may still meet them)
+            result["after"] = server.overlapping(
+                self.models[HYBRID], range(3), max_tokens=20, one_by_one=True
+            )
+            return self.finish(server, result)
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(peer_env, models, tmp_path_factory) -> Runs:
+    return Runs(peer_env, models, tmp_path_factory.mktemp("peers"))
+
+
+SERVERS = ["vllm-mlx", "mlx-vlm"]
+
+
+def served(workload: dict) -> list[Reply]:
+    """Every reply, checked to be a whole answer."""
+    replies = workload["replies"]
+    for reply in replies:
+        assert reply.status == 200 and not reply.errors, reply
+        assert reply.finish in ("length", "stop") and reply.text, reply
+        assert reply.done or not reply.stream, reply
+    return replies
+
+
+def read_as_counted(workload: dict, watchdog: str) -> float:
+    """The exact count's rate, once the requests were answered in full and the watchdog's reading
+    was found within 5% of it (of LEAK, where it is about 0)."""
+    served(workload)
+    truth, read = workload["truth"], reading(workload, watchdog)
+    assert abs(read - truth) <= TOLERANCE * max(truth, LEAK), (read, truth)
+    return truth
+
+
+# --------------------------------------------------------------------------- readings against the truth
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", SERVERS)
+def test_the_hybrid_leak_is_read_as_the_exact_count_shows(runs, peer):
+    run = runs.get(peer, "watched")
+    workload = run[HYBRID]
+    truth = read_as_counted(workload, HYBRID)
+    # What the allocator counts in the server: vllm-mlx drives mlx-lm's BatchGenerator, whose
+    # ArraysCache.left_padding leaks (linear layers - 1) buffers a step; mlx-vlm's own
+    # ArraysCache.advance counts in a Python int (and it evaluates the cache every 50 steps): flat.
+    assert truth == pytest.approx(LEAK if peer == "vllm-mlx" else 0, abs=TOLERANCE * LEAK)
+    if peer == "vllm-mlx":
+        site = values(workload["scrapes"][-1][1], "mlx_watchdog_leak_buffers_per_step", watchdog=HYBRID,
+                      site="ArraysCache.left_padding")  # fmt: skip
+        assert site and abs(site[0] - truth) <= TOLERANCE * truth, site
+    assert errors_total(run["metrics"]) and set(errors_total(run["metrics"])) == {0.0}
+    assert f"watching {HYBRID} (pid" in run["log"].read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", SERVERS)
+def test_the_llama_reads_flat(runs, peer):
+    run = runs.get(peer, "flat")
+    assert read_as_counted(run[FLAT], FLAT) == pytest.approx(0, abs=TOLERANCE * LEAK)
+    assert set(errors_total(run["metrics"])) == {0.0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peer", SERVERS)
+def test_the_fix_removes_the_growth_with_the_same_greedy_tokens(runs, peer):
+    watched, fixed = runs.get(peer, "watched"), runs.get(peer, "fixed")
+    models = [HYBRID] + ([FLAT] if peer == "mlx-vlm" else [])
+    for model in models:
+        # temperature 0: each request's answer, bit for bit, as without the fix
+        assert [r.text for r in served(fixed[model])] == [r.text for r in served(watched[model])]
+        # no growth left (the count may fall: the first fix of a batch cuts the chain it inherited)
+        assert fixed[model]["truth"] <= TOLERANCE * LEAK
+        assert abs(reading(fixed[model], model)) <= TOLERANCE * LEAK
+    metrics = fixed["metrics"]
+    if peer == "vllm-mlx":
+        assert values(metrics, "mlx_watchdog_fixed_leak_buffers_per_step", watchdog=HYBRID,
+                      site="ArraysCache.left_padding") == [pytest.approx(LEAK, rel=TOLERANCE)]  # fmt: skip
+        assert values(metrics, "mlx_watchdog_materialized_arrays_total", watchdog=HYBRID)[0] > 0
+    assert set(errors_total(metrics)) == {0.0}
+
+
+# --------------------------------------------------------------------------- what a stop does
+
+
+@pytest.mark.slow
+def test_a_stop_in_vllm_mlx_fails_the_running_batch_and_the_server_serves_on(runs):
+    run = runs.get("vllm-mlx", "stopped")
+    plain, stream = run["stop"]["replies"]
+    # The forecast stop raises from the forward on vllm-mlx's engine thread: the batch fails.
+    assert plain.status == 500 and "Internal server error during generation" in plain.errors[0], plain
+    assert stream.status == 200 and stream.errors and stream.done, stream  # an error event, then [DONE]
+    assert values(run["metrics"], "mlx_watchdog_stops_total", watchdog=HYBRID, reason="forecast") == [1.0]
+    served(run["after"])  # later requests: a new batch, answered in full
+    assert set(errors_total(run["metrics"])) == {0.0}
+
+
+@pytest.mark.slow
+def test_a_stop_in_mlx_vlm_fails_the_running_batch_and_the_server_serves_on(runs):
+    batch = max(resident(runs.get("mlx-vlm", "watched")[HYBRID], HYBRID))
+    assert batch > MLX_VLM_LIMIT, f"the hybrid's batch holds {batch} buffers, not over {MLX_VLM_LIMIT}"
+    run = runs.get("mlx-vlm", "stopped")
+    for reply in run["stop"]["replies"]:
+        # The watchdog's message reaches the client: mlx-vlm passes the exception's text on.
+        assert "mlx-watchdog stopped the generation" in json.dumps(reply.errors), reply
+        if reply.stream:
+            assert reply.status == 200 and not reply.done, reply  # an error event, no [DONE]
+        else:
+            assert reply.status == 500, reply
+    assert values(run["metrics"], "mlx_watchdog_stops_total", watchdog=HYBRID, reason="forecast")[0] >= 1
+    # The same model, one request at a time. The first, sent as the stopped batch failed, may meet
+    # its caches still alive and be stopped too; the server answers every later one in full.
+    first, *later = run["after"]["replies"]
+    if first.status != 200:
+        assert "mlx-watchdog stopped the generation" in json.dumps(first.errors), first
+    served({"replies": later if first.status != 200 else [first, *later]})
+    assert set(errors_total(run["metrics"])) == {0.0}
