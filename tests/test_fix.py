@@ -628,6 +628,7 @@ def test_fix_every_n_steps(every, monkeypatch):
     assert wd.forecast().buffers_per_step < (0.01 if every == 1 else 0.05)
 
 
+@pytest.mark.mlx_lm_neutral
 def test_materializing_does_not_starve_the_walks(monkeypatch):
     """Scheduling the cut chains moves work the decode does anyway (the CPU backend's
     async_eval of a hybrid model's states takes ~0.3 ms a step): it must not use up the walk

@@ -20,7 +20,7 @@ ENTRY_POINT = "mlx_watchdog.commands.main:main"
 # What a checkout may hold besides its files: a wheel built from a copy without them is the
 # wheel of a fresh clone (a stale build/lib would add the modules of an older layout).
 NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", ".cache", "build", "dist", "site", "*.egg-info", "__pycache__"
+    ".git", ".venv", ".venv-*", ".cache", "build", "dist", "site", "*.egg-info", "__pycache__"
 )
 
 
