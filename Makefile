@@ -5,8 +5,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MLX_LM_VERSION = $(shell $(PY) -c "import importlib.metadata as m; print(m.version('mlx-lm'))")
 MLX_LM_SDIST   := .cache/mlx-lm-sdist
+# The second run of the version-sensitive tests: mlx-lm 0.31.3, the line vllm-mlx, Rapid-MLX and
+# mlx-openai-server pin, in a venv of its own built by uv from PyPI (~20 s; pip takes ~3 min).
+MLX_LM_031      := .venv-mlx-lm-031
+MLX_LM_031_PIN  := mlx-lm==0.31.3
+MLX_LM_031_TESTS := tests/test_core.py tests/test_attach.py tests/test_fix.py tests/test_readings.py tests/test_serve.py tests/test_tiny.py
 
-.PHONY: demo test test-peers lint typecheck docs docs-image system-deps sdist bench clean
+.PHONY: demo test test-mlx-lm-031 test-peers lint typecheck docs docs-image system-deps sdist bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,8 +51,22 @@ $(MLX_LM_SDIST)/.done: $(STAMP)
 sdist: $(MLX_LM_SDIST)/.done
 
 # lint and typecheck first: CI fails on them before the tests run (and before minutes of tests).
-test: lint typecheck system-deps $(STAMP) sdist test-peers
+test: lint typecheck system-deps $(STAMP) sdist
 	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_peers.py
+	$(MAKE) test-mlx-lm-031
+	$(MAKE) test-peers
+
+# The same package, its test extras and mlx-lm pinned to 0.31.3 (uv comes with the test extras).
+$(MLX_LM_031)/.installed: pyproject.toml $(STAMP)
+	rm -rf $(MLX_LM_031)
+	$(VENV)/bin/uv venv -q --python $(PY) $(MLX_LM_031)
+	VIRTUAL_ENV=$(MLX_LM_031) $(VENV)/bin/uv pip install -q -e '.[test]' '$(MLX_LM_031_PIN)'
+	touch $@
+
+# Tests marked mlx_lm_neutral (MLX alone, or the machine under load) ran once, in the main run.
+test-mlx-lm-031: $(MLX_LM_031)/.installed
+	$(MLX_LM_031)/bin/python -c "import mlx_lm; assert mlx_lm.__version__.startswith('0.31.'), mlx_lm.__version__"
+	$(MLX_LM_031)/bin/python -m pytest -q -p no:cacheprovider -m "not mlx_lm_neutral" $(MLX_LM_031_TESTS)
 
 # The servers users run (vllm-mlx, mlx-vlm's server), from PyPI, in an environment of their own
 # cached outside the clone (tests/peers/envs.py, ~/.cache/mlx-watchdog/peers), then their
@@ -85,4 +104,4 @@ bench: $(STAMP)
 	$(VENV)/bin/mlx-watchdog scan --jobs 2 --quiet --markdown $(BENCH_OUT)/scan.md --json > $(BENCH_OUT)/scan.json
 
 clean:
-	rm -rf $(VENV) .cache build site *.egg-info
+	rm -rf $(VENV) $(MLX_LM_031) .cache build site *.egg-info

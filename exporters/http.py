@@ -43,7 +43,9 @@ DEFAULT_MAX_HEADER_BYTES = 16 * 1024
 MAX_BODY_BYTES = 64 * 1024
 _READ_CHUNK = 16 * 1024
 # An accepted connection is upgraded to TLS (StreamWriter.start_tls, Python 3.11+): the handshake
-# is then one of the counted, evictable connections, bounded by idle_timeout.
+# is then one of the counted, evictable connections, bounded by idle_timeout. Python 3.10 has no
+# StreamWriter.start_tls: there the listener does the handshake (bounded by idle_timeout too), and
+# a connection is counted once its handshake is done.
 
 
 class _Connection:
@@ -131,7 +133,10 @@ class BoundedHTTPServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        server = await asyncio.start_server(self._serve, sock=self.socket)
+        tls: dict = {}
+        if self.ssl_context is not None and sys.version_info < (3, 11):
+            tls = {"ssl": self.ssl_context, "ssl_handshake_timeout": self.idle_timeout}
+        server = await asyncio.start_server(self._serve, sock=self.socket, **tls)
         self._ready.set()
         try:
             await self._stop.wait()
@@ -160,9 +165,7 @@ class BoundedHTTPServer:
         self._admit(conn)
         http = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_header_bytes)
         try:
-            if self.ssl_context is not None:
-                if sys.version_info < (3, 11):  # StreamWriter.start_tls (the package needs 3.11)
-                    raise RuntimeError("TLS needs Python 3.11 or later")
+            if self.ssl_context is not None and sys.version_info >= (3, 11):
                 raw = writer.transport
                 try:
                     await writer.start_tls(self.ssl_context, ssl_handshake_timeout=self.idle_timeout)

@@ -104,6 +104,20 @@ def missing(message: str) -> None:
     pytest.skip(f"*** {message} ***")
 
 
+def needs_model_type(model_type: str) -> pytest.MarkDecorator:
+    """Skip, saying why, where the installed mlx-lm does not ship ``model_type`` (``deepseek_v41``
+    came in mlx-lm 0.32; the tests also run on mlx-lm 0.31)."""
+    from mlx_watchdog import tiny
+
+    reason = tiny.missing_model_types().get(model_type)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def model_type_params(model_types: Iterable[str]) -> list:
+    """``model_types`` as pytest parameters, each skipped where the installed mlx-lm lacks it."""
+    return [pytest.param(t, marks=needs_model_type(t)) for t in model_types]
+
+
 def exact_counter():
     """The exact live-buffer counter (tests/exact_buffers.py); skips loudly (fails in CI) when it
     cannot be installed."""

@@ -11,6 +11,7 @@ import inspect
 import math
 import pickle
 import threading
+import types
 import urllib.request
 
 import mlx.core as mx
@@ -146,7 +147,16 @@ def test_watch_on_mlx_lm_generate_builds_the_cache_it_observes(llama, tokenizer,
     def refuse(*args, **kwargs):
         raise AssertionError("generate_step built its own cache: the decorator did not pass one")
 
-    monkeypatch.setattr(mlx_lm_generate, "make_prompt_cache", refuse)
+    # generate_step's own cache: mlx-lm 0.32 calls the name it imported, 0.31 cache.make_prompt_cache.
+    if hasattr(mlx_lm_generate, "make_prompt_cache"):
+        monkeypatch.setattr(mlx_lm_generate, "make_prompt_cache", refuse)
+    else:
+        cache_module = mlx_lm_generate.cache  # the decorator imports the real one from it
+        monkeypatch.setattr(
+            mlx_lm_generate,
+            "cache",
+            types.SimpleNamespace(**{**vars(cache_module), "make_prompt_cache": refuse}),
+        )
     watched = watch(generate, export=False)
     text = watched(llama, tokenizer, PROMPT, max_tokens=10, logits_processors=[no_eos])
     assert text == plain

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import mlx.core as mx
 import pytest
 from rich.console import Console
-from support import busy_port, free_port
+from support import busy_port, free_port, needs_model_type
 
 from mlx_watchdog import tiny
 from mlx_watchdog.commands import demo, diagnose, to_the_limit
@@ -153,6 +153,7 @@ def test_demo_stops_at_the_scaled_limit_and_compares_what_was_decoded():
     assert f"pass 2/2: Watchdog(fix=True), {steps:,} steps (not 300)" in text
 
 
+@needs_model_type("deepseek_v41")
 def test_demo_of_a_model_mlx_lm_cannot_batch_names_the_plain_path():
     args = cli.build_parser(load_serve=False).parse_args(
         ["demo", "--model-type", "deepseek_v41", "--max-tokens", "30", "--no-metrics"]

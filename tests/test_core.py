@@ -6,7 +6,7 @@ import math
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from support import batched_tokens
+from support import batched_tokens, needs_model_type
 
 from mlx_watchdog import Watchdog, find_arrays, materialize
 from mlx_watchdog.attach.model import watch_model
@@ -145,6 +145,7 @@ def test_unbounded_slot_chain_is_attributed_to_its_attribute():
     assert set(f.leaks[0].paths) == {"[0].pending_rows", "[1].pending_rows"}
 
 
+@needs_model_type("deepseek_v41")
 def test_deepseek_v41_layer_cache_is_walked_without_invoking_state():
     model = build_model("deepseek_v41", layers=4)
     cache = model.make_cache()

@@ -904,7 +904,10 @@ def test_300_idle_connections_do_not_stop_a_scrape(leaky, registry, tls_files, u
         assert _threads() - before <= 3, f"threads {before} -> {_threads()}"  # loop + render (+1 slack)
         assert len(_server_threads()) == 2, _server_threads()
         assert server.server.open_connections <= exporter.DEFAULT_MAX_CONNECTIONS
-        assert server.server.evicted >= 300 - exporter.DEFAULT_MAX_CONNECTIONS
+        if not use_tls or sys.version_info >= (3, 11):
+            assert server.server.evicted >= 300 - exporter.DEFAULT_MAX_CONNECTIONS
+        # Python 3.10 (no StreamWriter.start_tls): the listener does the handshake, so a connection
+        # that never starts one is not yet counted, nor evicted: idle_timeout ends it.
     finally:
         for s in idle:
             s.close()

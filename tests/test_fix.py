@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import BatchGenerator, stream_generate
 from mlx_lm.models.cache import ArraysCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+from support import needs_model_type
 
 from mlx_watchdog import Forecast, ResourceLimitForecast, Watchdog, find_arrays, tiny
 from mlx_watchdog.attach.model import unwatch_model, watch_model
@@ -160,7 +161,9 @@ PLAIN_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(PLAIN_CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(case, marks=needs_model_type(PLAIN_CASES[case][0])) for case in PLAIN_CASES]
+)
 def test_plain_decode_is_identical_with_fix(case, watching):
     model_type, layers, kwargs, cache_kind = PLAIN_CASES[case]
     m = model(model_type, layers)
@@ -185,6 +188,7 @@ def test_plain_decode_is_identical_with_fix(case, watching):
         assert wd.forecast().leaks == () and wd.forecast().buffers_per_step < 0.01
 
 
+@needs_model_type("deepseek_v41")
 def test_a_chain_the_model_drains_itself_is_no_leak_in_fix_mode(watching):
     """deepseek_v41's LayerCache keeps pending rows that grow for a few steps and are drained
     by the model at each compression: bounded, no leak, with or without the fix. Walking every
@@ -256,6 +260,7 @@ def test_the_fix_cuts_growing_sites_and_leaves_bounded_ones_to_the_model(watchin
     assert wd.forecast().leaks[0].site == LEAK_SITE
 
 
+@needs_model_type("deepseek_v41")
 def test_deepseek_v41_cannot_be_batched_watched_or_not(watching):
     """mlx-lm 0.32.2's BatchGenerator cannot merge deepseek_v41's LayerCache, so its fix is
     tested on the plain path only; the watchdog does not change that error."""
@@ -623,6 +628,7 @@ def test_fix_every_n_steps(every, monkeypatch):
     assert wd.forecast().buffers_per_step < (0.01 if every == 1 else 0.05)
 
 
+@pytest.mark.mlx_lm_neutral
 def test_materializing_does_not_starve_the_walks(monkeypatch):
     """Scheduling the cut chains moves work the decode does anyway (the CPU backend's
     async_eval of a hybrid model's states takes ~0.3 ms a step): it must not use up the walk

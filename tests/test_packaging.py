@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGES = ("core", "attach", "commands", "tiny", "exporters")
@@ -20,7 +21,7 @@ ENTRY_POINT = "mlx_watchdog.commands.main:main"
 # What a checkout may hold besides its files: a wheel built from a copy without them is the
 # wheel of a fresh clone (a stale build/lib would add the modules of an older layout).
 NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", ".cache", "build", "dist", "site", "*.egg-info", "__pycache__"
+    ".git", ".venv", ".venv-*", ".cache", "build", "dist", "site", "*.egg-info", "__pycache__"
 )
 
 
@@ -123,3 +124,62 @@ def _site_packages() -> str:
     import mlx
 
     return str(Path(mlx.__path__[0]).parent)
+
+
+# --------------------------------------------------------------------------- beside the servers
+
+# Servers users run the watchdog beside: their pins of mlx-lm (0.31.x) and mlx decide ours.
+PEERS = ("vllm-mlx==0.6.0", "mlx-vlm==0.7.10")
+# Where the resolution is checked: this machine (its Python), and Apple silicon (macOS 14, the
+# oldest macOS MLX ships wheels for) on the oldest Python the package supports.
+TARGETS = {
+    "here": [],
+    "macos-3.10": ["--python-platform", "aarch64-apple-darwin", "--python-version", "3.10"],
+}
+
+
+def _resolve(tmp_path: Path, requirements: list[str], target: str, constraints: list[str] = ()):
+    """``uv pip compile`` of ``requirements`` for ``target``: metadata only (uv reads a wheel's
+    METADATA with range requests where the index serves no PEP 658 file; pip downloads every
+    wheel, ~1 GB here, torch's CUDA build too). Returns (exit status, resolved pins, stderr)."""
+    uv = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
+    if uv is None:
+        missing("uv is not installed (it comes with the test extras: pip install -e '.[test]')")
+    (tmp_path / "requirements.in").write_text("\n".join(requirements) + "\n")
+    (tmp_path / "constraints.txt").write_text("\n".join(constraints) + "\n")
+    command = [uv, "pip", "compile", "--quiet", "--no-header", "--python", sys.executable]
+    command += [*TARGETS[target], "--constraint", str(tmp_path / "constraints.txt")]
+    result = subprocess.run(
+        [*command, str(tmp_path / "requirements.in")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MACOSX_DEPLOYMENT_TARGET": "14.0"},
+    )
+    if result.returncode != 0 and "No solution found" not in result.stderr:
+        missing(f"uv could not resolve from PyPI (offline?): {result.stderr[-1000:]}")
+    pins = dict(
+        line.split("==", 1)
+        for line in result.stdout.splitlines()
+        if "==" in line and not line.startswith(" ")
+    )
+    return result.returncode, pins, result.stderr
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+@pytest.mark.parametrize("peer", PEERS)
+def test_the_package_installs_beside_the_servers_users_run(tmp_path, peer, target):
+    status, pins, stderr = _resolve(tmp_path, [f"mlx-watchdog @ {ROOT.as_uri()}", peer], target)
+    assert status == 0, stderr[-3000:]
+    name, version = peer.split("==")
+    assert pins[name] == version and "mlx-lm" in pins and "mlx" in pins, pins
+    # torch (vllm-mlx's torchvision) resolved from its metadata, never downloaded: see _resolve.
+
+
+def test_a_pin_that_conflicts_with_a_server_is_found(tmp_path):
+    # The check can fail: mlx-lm >= 0.32 (this package's pin before 0.31 was supported) beside
+    # vllm-mlx, which pins mlx-lm < 0.32.
+    status, _, stderr = _resolve(
+        tmp_path, [f"mlx-watchdog @ {ROOT.as_uri()}", "vllm-mlx==0.6.0"], "here", ["mlx-lm>=0.32.2"]
+    )
+    assert status != 0 and "mlx-lm" in stderr, stderr[-3000:]

@@ -48,6 +48,7 @@ def true_slope(points):
 # --------------------------------------------------------------------------- never blind
 
 
+@pytest.mark.mlx_lm_neutral
 def test_short_batched_decodes_under_load_read_the_leak_within_64_steps(counter, hybrid):
     for run in range(3):
         wd = Watchdog(limit=200_000, export=False)  # defaults
@@ -71,6 +72,7 @@ def test_short_batched_decodes_under_load_read_the_leak_within_64_steps(counter,
                 assert math.isfinite(f.steps_to_limit)
 
 
+@pytest.mark.mlx_lm_neutral
 def test_diagnose_with_defaults_under_load_finds_the_leak(tmp_path):
     from mlx_watchdog import tiny
     from mlx_watchdog.commands import main as cli
@@ -126,6 +128,7 @@ def assert_read_across_requests(rows):
     assert rows[-1][2] > 2 * rows[0][2], table  # the chains did outlive the requests
 
 
+@pytest.mark.mlx_lm_neutral
 def test_a_busy_batch_is_read_across_its_requests(counter):
     # Under load: a walk that waits for a core must not shrink the next ones to samples that
     # misread the batch just changed (before walks were sized by CPU time: 1 row in 6 off by
@@ -242,6 +245,7 @@ class Clock:
     monotonic = perf_counter
 
 
+@pytest.mark.mlx_lm_neutral
 def test_470k_nodes_in_47_chains_are_read_by_sample_within_5_percent(monkeypatch):
     from mlx_watchdog.core import watchdog as core
 
@@ -367,6 +371,7 @@ DEEP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.mlx_lm_neutral
 @pytest.mark.parametrize("depth", [300_000, 499_000])
 def test_a_chain_as_deep_as_the_limit_is_read_without_a_crash(depth):
     result = subprocess.run(

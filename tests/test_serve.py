@@ -8,6 +8,7 @@ talk to it with the ``openai`` client as users do, and read the metrics endpoint
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import socket
@@ -504,6 +505,21 @@ def test_adapt_prefill_sets_the_server_prefill_step(monkeypatch):
 # --------------------------------------------------------------------------- stop bookkeeping
 
 
+def _server_record(cls, **given):
+    """One of mlx_lm.server's dataclasses (GenerationContext, Response) built by field name
+    whatever fields this mlx-lm version gives it: ``given`` where it has the field, None for the
+    other fields without a default (0.31 and 0.32 differ in both)."""
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    return cls(
+        **{
+            f.name: given.get(f.name)
+            for f in fields
+            if f.name in given
+            or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        }
+    )
+
+
 class _FakeGenerator:
     def __init__(self):
         self.requests = Queue()
@@ -520,10 +536,15 @@ def test_batch_stop_ends_started_requests_and_requeues_waiting_ones():
         channel = server_hooks._Channel(hooks, q, (q, f"request-{len(channels)}", "args"))
         hooks._track(generator, channel)
         channels.append(channel)
-    context = server.GenerationContext(False, False, None, None, "normal", [1, 2])
-    channels[0].put(context)  # started, streamed one token
-    channels[0].put(server.Response("a", 97, -0.5, None, ()))
-    channels[1].put(server.GenerationContext(False, False, None, None, "normal", [1]))
+    context = _server_record(
+        server.GenerationContext, has_tool_calling=False, has_thinking=False, prompt=[1, 2]
+    )
+    channels[0].put(context)  # started, streamed one token (mlx-lm 0.31: in a reasoning span)
+    streamed = _server_record(
+        server.Response, text="a", token=97, logprob=-0.5, top_tokens=(), state="reasoning", match=(5,)
+    )
+    channels[0].put(streamed)
+    channels[1].put(_server_record(server.GenerationContext, prompt=[1]))
     channels[1].put(None)  # finished normally
     # channels[2] and [3] were taken but had not started (e.g. waiting to join a batch)
     forecast = Forecast(
@@ -534,11 +555,37 @@ def test_batch_stop_ends_started_requests_and_requeues_waiting_ones():
     got = [queues[0].get_nowait() for _ in range(queues[0].qsize())]
     assert got[0] is context and got[1].text == "a"
     assert got[2].finish_reason == server_hooks.STOP_FINISH_REASON and got[2].text == "" and got[3] is None
+    assert got[2].token == 97 and type(got[2]) is server.Response
+    if hasattr(streamed, "state"):  # mlx-lm 0.31: the span goes on, and no stop sequence to hide
+        assert got[2].state == "reasoning" and got[2].match is None
     assert queues[1].qsize() == 2  # untouched: it had ended
     assert queues[2].empty() and queues[3].empty()
     requeued = [generator.requests.get_nowait() for _ in range(generator.requests.qsize())]
     assert requeued == [(queues[2], "request-2", "args"), (queues[3], "request-3", "args")]
     assert hooks._channels == {}
+
+
+def test_the_final_chunk_is_built_by_field_name_and_an_unknown_response_is_refused():
+    @dataclasses.dataclass
+    class Reordered:  # the fields of mlx-lm 0.32's Response in another order, one with a default
+        finish_reason: str | None
+        top_tokens: tuple
+        token: int
+        text: str
+        logprob: float = 1.0
+
+    last = Reordered(None, (), 42, "x", -0.1)
+    final = server_hooks.stop_response(Reordered, last)
+    assert final == Reordered(server_hooks.STOP_FINISH_REASON, (), 42, "", 0.0)
+
+    @dataclasses.dataclass
+    class Novel:  # a required field nobody knows the meaning of: refused, not guessed
+        text: str
+        token: int
+        speculative: bool
+
+    with pytest.raises(RuntimeError, match=r"fields \['speculative'\] not known"):
+        server_hooks.stop_response(Novel, None)
 
 
 def test_a_stop_put_on_the_queue_becomes_the_final_chunk():
@@ -548,7 +595,7 @@ def test_a_stop_put_on_the_queue_becomes_the_final_chunk():
     hooks = server_hooks.ServerHooks({})
     queue = Queue()
     channel = server_hooks._Channel(hooks, queue, (queue, None, None))
-    channel.put(server.GenerationContext(False, False, None, None, "normal", [1]))
+    channel.put(_server_record(server.GenerationContext, prompt=[1]))
     forecast = Forecast(
         step=1,
         resident_buffers=200,

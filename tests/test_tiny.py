@@ -17,11 +17,13 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
+from support import model_type_params, needs_model_type
 
 from mlx_watchdog import tiny
 
 # deepseek_v41's LayerCache has no merge/filter/extend, so BatchGenerator
-# cannot batch it (mlx-lm 0.32.2); see test_deepseek_v41_batch_generator.
+# cannot batch it (mlx-lm 0.32.2; mlx-lm 0.31 has no deepseek_v41); see
+# test_deepseek_v41_batch_generator.
 BATCHABLE = [t for t in tiny.MODEL_TYPES if t != "deepseek_v41"]
 
 
@@ -74,6 +76,7 @@ def test_qwen3_next_is_hybrid():
     assert sum(isinstance(c, ArraysCache) for c in model.make_cache()) == 6
 
 
+@needs_model_type("deepseek_v41")
 def test_deepseek_v41_is_tiny_and_compresses():
     config = tiny.tiny_config("deepseek_v41", layers=4)
     assert config["compress_ratios"] == [0, 2, 4, 2]
@@ -109,7 +112,7 @@ def test_build_model_dtype():
         tiny.build_model("qwen3_moe", 2, dtype=mx.bfloat16)
 
 
-@pytest.mark.parametrize("model_type", tiny.MODEL_TYPES)
+@pytest.mark.parametrize("model_type", model_type_params(tiny.MODEL_TYPES))
 def test_greedy_decoding(model_type):
     layers = 8 if model_type == "qwen3_next" else 4
     model = tiny.build_model(model_type, layers=layers)
@@ -121,7 +124,7 @@ def test_greedy_decoding(model_type):
     assert _greedy(model, prompt, 20) == tokens
 
 
-@pytest.mark.parametrize("model_type", BATCHABLE)
+@pytest.mark.parametrize("model_type", model_type_params(BATCHABLE))
 def test_batch_generator(model_type):
     layers = 8 if model_type == "qwen3_next" else 4
     model = tiny.build_model(model_type, layers=layers)
@@ -141,6 +144,7 @@ def test_batch_generator(model_type):
     assert all(len(t) == 6 and all(0 <= x < 512 for x in t) for t in tokens.values())
 
 
+@needs_model_type("deepseek_v41")
 def test_deepseek_v41_batch_generator():
     # Not supported by mlx-lm 0.32.2: its LayerCache cannot be merged.
     model = tiny.build_model("deepseek_v41", layers=2)
@@ -149,6 +153,23 @@ def test_deepseek_v41_batch_generator():
     with pytest.raises(ValueError, match="does not yet support batching"):
         gen.next_generated()
     gen.close()
+
+
+def test_a_model_type_the_installed_mlx_lm_lacks_is_named_and_not_built():
+    import importlib.util
+
+    import mlx_lm
+
+    lacking = tiny.missing_model_types()
+    for model_type in tiny.MODEL_TYPES:
+        present = importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None
+        assert (model_type in lacking) != present, model_type
+    major, minor = (int(part) for part in mlx_lm.__version__.split(".")[:2])
+    assert ("deepseek_v41" in lacking) == ((major, minor) < (0, 32)), (mlx_lm.__version__, lacking)
+    for model_type, reason in lacking.items():
+        assert reason == f"mlx-lm {mlx_lm.__version__} has no mlx_lm.models.{model_type}"
+        with pytest.raises(ValueError, match=f"cannot build a tiny {model_type}: mlx-lm"):
+            tiny.build_model(model_type, layers=4)
 
 
 def test_qwen3_next_batch_left_padding_stays_lazy():
@@ -197,7 +218,7 @@ def test_tokenizer_round_trip(text):
     assert _TOKENIZER_300.decode(ids, skip_special_tokens=False) == text
 
 
-@pytest.mark.parametrize("model_type", tiny.MODEL_TYPES)
+@pytest.mark.parametrize("model_type", model_type_params(tiny.MODEL_TYPES))
 def test_save_and_load(tmp_path, monkeypatch, model_type):
     import mlx_lm
 

@@ -25,6 +25,7 @@ the same final chunk.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import importlib
@@ -74,7 +75,7 @@ class _Channel:
         self.item = item  # what the generation thread took, to put back when not started
         self.context: Any = None
         self.finished = False
-        self.last_token = 0
+        self.last: Any = None  # the last Response sent (its token and, on mlx-lm 0.31, its state)
         self._lock = threading.Lock()
 
     @property
@@ -96,7 +97,7 @@ class _Channel:
             elif isinstance(obj, self._hooks.server.GenerationContext):
                 self.context = obj
             elif isinstance(obj, self._hooks.server.Response):
-                self.last_token = obj.token
+                self.last = obj
         self.queue.put(obj, block, timeout)
 
     def stop(self, exc: ResourceLimitForecast) -> bool:
@@ -108,7 +109,7 @@ class _Channel:
             started = self.started
         if started:
             # A last chunk with no text and the watchdog's finish_reason, then the end of stream.
-            final = self._hooks.server.Response("", self.last_token, 0.0, STOP_FINISH_REASON, ())
+            final = stop_response(self._hooks.server.Response, self.last)
             self.queue.put(final)
             self.queue.put(None)
         else:  # the handler answers with {"error": ...}
@@ -148,6 +149,7 @@ class ServerHooks:
                     f"mlx_lm.server has no {name} class: this mlx-lm version is not "
                     "supported by `mlx-watchdog serve`"
                 )
+        stop_response(self.server.Response, None)  # a Response this version cannot take fails now
         self._lock = threading.Lock()
         self._originals: dict[tuple[str, str], Callable] = {}
         self._watched: list[tuple[weakref.ref, Watchdog]] = []
@@ -346,6 +348,42 @@ class ServerHooks:
         )
         for watchdog in self.watchdogs():
             watchdog.reset()  # the stopped batch and its caches are gone
+
+
+def stop_response(response_class: type, last: Any) -> Any:
+    """The final chunk of a stopped request, an instance of mlx_lm.server's ``Response`` built by
+    field name: no text, the last token again, the watchdog's ``finish_reason``. mlx-lm 0.31's
+    ``Response`` also carries the text state machine's ``state`` (the last one, so the handler
+    closes no reasoning or tool span on its own) and ``match`` (None: no stop sequence to hide).
+    Raises RuntimeError for a ``Response`` with a required field not known here."""
+    values: dict[str, Any] = {
+        "text": "",
+        "token": getattr(last, "token", 0),
+        "logprob": 0.0,
+        "finish_reason": STOP_FINISH_REASON,
+        "top_tokens": (),
+        "state": getattr(last, "state", "normal"),
+        "match": None,
+    }
+    if not dataclasses.is_dataclass(response_class):
+        raise RuntimeError(
+            "mlx_lm.server's Response is not a dataclass: this mlx-lm version is not supported by "
+            "`mlx-watchdog serve`"
+        )
+    fields = [f for f in dataclasses.fields(response_class) if f.init]
+    unknown = [
+        f.name
+        for f in fields
+        if f.name not in values
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if unknown:
+        raise RuntimeError(
+            f"mlx_lm.server's Response has fields {unknown} not known to mlx-watchdog: this mlx-lm "
+            "version is not supported by `mlx-watchdog serve`"
+        )
+    return response_class(**{f.name: values[f.name] for f in fields if f.name in values})
 
 
 def _clear_thread_streams() -> None:

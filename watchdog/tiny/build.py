@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import itertools
 import json
 import random
@@ -135,6 +136,19 @@ def tiny_config(model_type: str = "qwen3_next", layers: int = 8, **overrides) ->
     return config
 
 
+def missing_model_types() -> dict[str, str]:
+    """The model types of ``MODEL_TYPES`` the installed mlx-lm does not ship (``deepseek_v41``
+    came in mlx-lm 0.32), each with a sentence that says so: for skips and clear errors."""
+    import mlx_lm.models
+
+    version = getattr(importlib.import_module("mlx_lm"), "__version__", "?")
+    return {
+        model_type: f"mlx-lm {version} has no mlx_lm.models.{model_type}"
+        for model_type in MODEL_TYPES
+        if importlib.util.find_spec(f"{mlx_lm.models.__name__}.{model_type}") is None
+    }
+
+
 def build_model(
     model_type: str = "qwen3_next",
     layers: int = 8,
@@ -157,6 +171,9 @@ def build_model(
             f"{model_type} is a mixture of experts: MLX's CPU backend runs its "
             f"GatherMM only in float32, not {dtype}."
         )
+    missing = missing_model_types().get(config["model_type"])
+    if missing is not None:
+        raise ValueError(f"cannot build a tiny {model_type}: {missing}")
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
