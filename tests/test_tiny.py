@@ -168,7 +168,7 @@ def test_a_model_type_the_installed_mlx_lm_lacks_is_named_and_not_built():
     assert ("deepseek_v41" in lacking) == ((major, minor) < (0, 32)), (mlx_lm.__version__, lacking)
     for model_type, reason in lacking.items():
         assert reason == f"mlx-lm {mlx_lm.__version__} has no mlx_lm.models.{model_type}"
-        with pytest.raises(ValueError, match=f"cannot build a tiny {model_type}: mlx-lm"):
+        with pytest.raises(ValueError, match=f"^mlx-lm .* has no mlx_lm.models.{model_type}$"):
             tiny.build_model(model_type, layers=4)
 
 

@@ -173,7 +173,7 @@ def build_model(
         )
     missing = missing_model_types().get(config["model_type"])
     if missing is not None:
-        raise ValueError(f"cannot build a tiny {model_type}: {missing}")
+        raise ValueError(missing)
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
