@@ -13,10 +13,11 @@ MLX_LM_031_TESTS := tests/test_core.py tests/test_attach.py tests/test_fix.py te
 
 .PHONY: demo test test-mlx-lm-031 test-peers lint typecheck docs docs-image system-deps sdist bench clean
 
+# uv installs what pip would, in seconds instead of minutes (pip stays in the venv for the tests).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -U pip uv
+	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
