@@ -677,9 +677,12 @@ class Watchdog:
             leaking = self._growth.growing
             if leaking is None:
                 leaking = {leak.site for leak in self._growth.leaks}
-            kept, kept_retained = fixer.kept_pending(
-                self._scope.kept_caches(step), leaking, self.max_objects, self.max_depth
-            )
+            kept: list[mx.array] = []
+            kept_retained = 0.0
+            if leaking:  # (the kept caches are listed only then: a fix may run every step)
+                kept, kept_retained = fixer.kept_pending(
+                    self._scope.kept_caches(step), leaking, self.max_objects, self.max_depth
+                )
             pending += kept
             if pending:
                 failed = schedule_evaluation(pending, mx.async_eval)
