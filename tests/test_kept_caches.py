@@ -132,10 +132,15 @@ def test_the_fix_cuts_kept_caches_and_a_dropped_one_leaves_nothing_behind(counte
     (_, n0, *_), (_, n1, *_) = rows[1], rows[-1]
     assert (n1 - n0) / (REQUESTS - 2) < LEAK * TOKENS / 4, table
 
-    # A cache is seen kept some steps into the next request, and cut at the next fix after that
-    # walk: two more requests (not kept) and every kept list has been cut.
-    for seed in (REQUESTS, REQUESTS + 1):
-        server.serve(seed=seed, keep=False)
+    # A cache is kept 16 steps after its last forward and cut at the next fix: one more request
+    # (not kept) and every kept list has been cut.
+    server.serve(seed=REQUESTS, keep=False)
+    # The server evicts half of them: their buffers leave the reading at once, not at a walk.
+    for key in list(server.kept)[: REQUESTS // 2]:
+        del server.kept[key]
+    f = wd.forecast()
+    true = counter.live(collect=True) - baseline
+    assert f.resident_buffers - f.parameter_buffers == pytest.approx(true, rel=0.05), (f, true, table)
     before = counter.live(collect=True)
     arrays = kept_arrays(server)
     mx.eval(arrays)  # what the fix left to evaluate: no chain

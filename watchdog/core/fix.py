@@ -112,9 +112,8 @@ class Fixer:
         # Kept caches already cut: id -> (weak reference, its last forward's step). A kept cache
         # does not change until a forward uses it again, so each is cut once.
         self._cut: dict[int, tuple[weakref.ref, int]] = {}
-        self._kept_retained: dict[
-            int, float
-        ] = {}  # id of a kept pending array -> what the last walk saw it hold
+        # id of a pending array of a cache not among the roots -> what the last walk saw it hold
+        self._kept_retained: dict[int, float] = {}
 
     def reset(self, step: int) -> None:
         self.probe = None
@@ -140,20 +139,22 @@ class Fixer:
 
     def kept_pending(
         self, kept: Sequence[tuple[Any, int]], leaking: Collection[str], max_objects: int, max_depth: int
-    ) -> tuple[list[mx.array], float]:
+    ) -> tuple[list[mx.array], dict[int, float]]:
         """The pending arrays of the kept caches not cut yet (``kept``: (cache, its last
         forward's step), ``caches.Scope.kept_caches``) at sites seen leaking while caches stepped
-        (``leaking``: site names), and the buffers the last walk saw them hold.
+        (``leaking``: site names), and by cache (its id) the buffers that cutting them frees, as
+        the last walk saw them (what their graphs held, less the buffer each array keeps).
 
         Only chains the program built and left: those of the sites the fix cuts in the caches
         that step (never a forward it did not evaluate). Found by a walk of the objects alone
         (no graph walk): a cache is cut at the first fix after it is kept, walked or not."""
         if not leaking:  # nothing known to leak yet: no cache is cut, or marked as cut
-            return [], 0.0
+            return [], {}
         cut = self._cut
         if len(cut) > 2 * len(kept) + 64:  # the dead ones go
             self._cut = cut = {key: entry for key, entry in cut.items() if entry[0]() is not None}
-        arrays, retained = [], 0.0
+        arrays: list[mx.array] = []
+        freed: dict[int, float] = {}
         for cache, used in kept:
             key = id(cache)
             entry = cut.get(key)
@@ -166,8 +167,10 @@ class Fixer:
             for f in scan(cache, max_objects=max_objects, max_depth=max_depth).found:
                 if f.site in leaking and not _evaluated(f.array):
                     arrays.append(f.array)
-                    retained += self._kept_retained.get(id(f.array), 0.0)
-        return arrays, retained
+                    held = self._kept_retained.get(id(f.array), 0.0)
+                    if held > 1:
+                        freed[key] = freed.get(key, 0.0) + held - 1
+        return arrays, freed
 
     def forget_paths(self) -> None:
         """Other roots: the paths of the last walk lead elsewhere now."""

@@ -13,7 +13,7 @@ seen, a growing chain is a leak, read as fast as any other.
 
 A server's kept caches (``caches.py``) grow across epochs, not within one: a request's caches join
 the kept ones when it ends, one more per request, each no longer growing. Their buffers and their
-sites are read by the long-run slope over the window (``kept_slope``), across epochs.
+sites are read by a long-run slope across epochs (``KeptSeries``).
 """
 
 from __future__ import annotations

@@ -712,9 +712,12 @@ class Watchdog:
             leaking = self._growth.growing
             if leaking is None:
                 leaking = {leak.site for leak in self._growth.leaks}
-            kept, kept_retained = fixer.kept_pending(
-                self._scope.kept_caches(step), leaking, self.max_objects, self.max_depth
-            )
+            kept: list[mx.array] = []
+            freed: dict[int, float] = {}
+            if leaking:  # (the kept caches are listed only then: a fix may run every step)
+                kept, freed = fixer.kept_pending(
+                    self._scope.kept_caches(step), leaking, self.max_objects, self.max_depth
+                )
             pending += kept
             if pending:
                 failed = schedule_evaluation(pending, mx.async_eval)
@@ -743,12 +746,8 @@ class Watchdog:
             self.materialized_arrays += len(pending) - failed
             if len(pending) > len(kept):
                 self.reclaimed_buffers += per_step * (step - fixer.last_step)
-            # What the kept chains held, less the buffer each evaluated array keeps: freed now,
-            # and out of the reading until the next walk (kept caches do not grow back).
-            freed = max(0.0, kept_retained - len(kept))
-            if freed:
-                self.reclaimed_buffers += freed
-                self._last = dataclasses.replace(self._last, resident=self._last.resident - freed)
+            if freed:  # freed now, and out of the reading until the next walk (kept caches do not grow back)
+                self._forget_freed(freed)
             if fixer.ran(step):  # the series' first fix
                 growth.fixed()
                 growth.update_leaks(fixing=True)
@@ -821,6 +820,19 @@ class Watchdog:
         with self._lock:
             self._last = dataclasses.replace(self._last, resident=float(live), mlx_cached=cached)
         return True
+
+    def _forget_freed(self, freed: dict[int, float]) -> None:
+        """The fix cut chains of kept caches (by id, the buffers it freed): out of the last
+        reading, and of those caches' tallies (they would leave twice when the caches die)."""
+        total = sum(freed.values())
+        self.reclaimed_buffers += total
+        for cache in self._last.by_cache:
+            member = cache.ref() if cache.ref is not None else None
+            cut = freed.get(id(member), 0.0) if member is not None else 0.0
+            if cut:
+                cache.buffers = max(0.0, cache.buffers - cut)
+                cache.retained = max(0.0, cache.retained - cut)
+        self._last = dataclasses.replace(self._last, resident=self._last.resident - total)
 
     def _reset_series(self) -> None:
         """Forget the growth measured so far. The last reading of what is resident stays: those
