@@ -13,8 +13,10 @@ when walks are dear, so that they take 0.1% of decode).
 
 Every walk must also fit the budget: the watchdog's own time (all of ``observe``, on the decode
 thread, the fix included) stays within ``overhead_budget`` of the decode's wall time over the
-watchdog's lifetime, with a small start-up credit as a floor. No walk is exempt: a walk that does
-not fit waits until one does (a dense walk is taken at the first step it fits). One-off costs
+watchdog's lifetime, with a small start-up credit as a floor. A walk that does not fit waits until
+one does (a dense walk is taken at the first step it fits), except three walks of each new decode,
+owed whatever the budget says now: charged like the others, they are paid back by the routine
+walks, which give way. A busy batch's changes are no new decodes, so they are few. One-off costs
 (first calls, imports) are paid when the watchdog is made, not charged here.
 """
 
@@ -25,6 +27,12 @@ import math
 import statistics
 
 DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into a new decode that are walked
+# Walks of a new decode taken even when the budget is spent now (they are charged, and the routine
+# walks after them give way): one for its level, two 16 steps apart for its rate. Without them a
+# server whose budget one slow walk had spent (300 ms on a loaded machine) was blind to the next
+# batch, and let requests run past the limit. The first step's reading is no point of the growth:
+# what the prompt's last forward left pending is still there then.
+OWED_OFFSETS = (0, 16, 32)
 # A busy batch that changed: one walk, a step after the change (a burst of changes settles first).
 CHANGE_OFFSETS = (1,)
 # Budget granted up front (a floor, not added): a young watchdog must read the first requests of a
@@ -62,6 +70,7 @@ class Schedule:
         self._offsets: tuple[int, ...] = DENSE_OFFSETS  # the epoch's walks, as steps into it
         self._next = 0  # index into _offsets of the next one
         self._continuing = False  # the epoch's caches partly go on from the last one
+        self._owed = len(OWED_OFFSETS)  # index into OWED_OFFSETS of the next walk owed whatever the budget
         # Below both, no walk is wanted and due() is False: observe() skips the call (it runs on
         # every step, after the forward has left the CPU's caches cold; see Watchdog._observe).
         # wake_decode is the decode time of the last walk plus the gap to the next.
@@ -70,9 +79,11 @@ class Schedule:
         self._arm()
 
     def _arm(self) -> None:
-        """wake_step: the epoch's next walk."""
-        offsets = self._offsets
-        self.wake_step = self._epoch_start + offsets[self._next] if self._next < len(offsets) else math.inf
+        """wake_step: the epoch's next walk, or owed walk."""
+        offsets = [OWED_OFFSETS[self._owed]] if self._owed < len(OWED_OFFSETS) else []
+        if self._next < len(self._offsets):
+            offsets.append(self._offsets[self._next])
+        self.wake_step = self._epoch_start + min(offsets) if offsets else math.inf
 
     def new_epoch(self, step: int, continuing: bool = False, measured: bool = True) -> None:
         """A new epoch at ``step``. One whose caches partly go on (``continuing``: a request
@@ -81,8 +92,10 @@ class Schedule:
         such epochs per request or more)."""
         self._epoch_start = step
         self._continuing = continuing
+        self._owed = len(OWED_OFFSETS)
         if not continuing:
             self._offsets = DENSE_OFFSETS
+            self._owed = 0
         else:  # its level after the change settles; densely while the growth is unknown
             self._offsets = CHANGE_OFFSETS if measured else DENSE_OFFSETS[1:]
         self._next = 0
@@ -91,8 +104,11 @@ class Schedule:
     def due(self, step: int, measured: bool = True) -> bool:
         """Is a walk due at ``step``, and does it fit the budget? ``measured``: the growth is known
         (the walk is routine). (Every step: kept cheap.)"""
+        offset = step - self._epoch_start
+        if self._owed < len(OWED_OFFSETS) and offset >= OWED_OFFSETS[self._owed]:
+            return True
         wanted = (
-            self._next < len(self._offsets) and step - self._epoch_start >= self._offsets[self._next]
+            self._next < len(self._offsets) and offset >= self._offsets[self._next]
         ) or self.decode_seconds >= self.wake_decode
         return wanted and self.affordable(share=ROUTINE_SHARE if measured else 1.0)
 
@@ -132,6 +148,8 @@ class Schedule:
         self._costs.append(cost)
         self.last_cost = statistics.median(self._costs)
         offset = step - self._epoch_start
+        while self._owed < len(OWED_OFFSETS) and OWED_OFFSETS[self._owed] <= offset:
+            self._owed += 1
         while self._next < len(self._offsets) and self._offsets[self._next] <= offset:
             self._next += 1
         if self.walk_interval is not None:
