@@ -33,6 +33,10 @@ DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into a new decode that are 
 # batch, and let requests run past the limit. The first step's reading is no point of the growth:
 # what the prompt's last forward left pending is still there then.
 OWED_OFFSETS = (0, 16, 32)
+# A busy batch that changed before its growth was read: two walks owed in its new epoch, once the
+# change has settled, for the rate (a batch that changes every second would otherwise put the
+# owed walks of its new decode off for good).
+OWED_CHANGE_OFFSETS = (1, 16)
 # A busy batch that changed: one walk, a step after the change (a burst of changes settles first).
 CHANGE_OFFSETS = (1,)
 # Budget granted up front (a floor, not added): a young watchdog must read the first requests of a
@@ -70,7 +74,8 @@ class Schedule:
         self._offsets: tuple[int, ...] = DENSE_OFFSETS  # the epoch's walks, as steps into it
         self._next = 0  # index into _offsets of the next one
         self._continuing = False  # the epoch's caches partly go on from the last one
-        self._owed = len(OWED_OFFSETS)  # index into OWED_OFFSETS of the next walk owed whatever the budget
+        self._owed_offsets: tuple[int, ...] = OWED_OFFSETS  # the epoch's walks owed whatever the budget
+        self._owed = len(OWED_OFFSETS)  # index into _owed_offsets of the next one
         # Below both, no walk is wanted and due() is False: observe() skips the call (it runs on
         # every step, after the forward has left the CPU's caches cold; see Watchdog._observe).
         # wake_decode is the decode time of the last walk plus the gap to the next.
@@ -80,7 +85,8 @@ class Schedule:
 
     def _arm(self) -> None:
         """wake_step: the epoch's next walk, or owed walk."""
-        offsets = [OWED_OFFSETS[self._owed]] if self._owed < len(OWED_OFFSETS) else []
+        owed = self._owed_offsets
+        offsets = [owed[self._owed]] if self._owed < len(owed) else []
         if self._next < len(self._offsets):
             offsets.append(self._offsets[self._next])
         self.wake_step = self._epoch_start + min(offsets) if offsets else math.inf
@@ -92,11 +98,13 @@ class Schedule:
         such epochs per request or more)."""
         self._epoch_start = step
         self._continuing = continuing
-        self._owed = len(OWED_OFFSETS)
+        self._owed = 0
         if not continuing:
-            self._offsets = DENSE_OFFSETS
-            self._owed = 0
-        else:  # its level after the change settles; densely while the growth is unknown
+            self._offsets, self._owed_offsets = DENSE_OFFSETS, OWED_OFFSETS
+        else:
+            self._owed_offsets = (
+                () if measured else OWED_CHANGE_OFFSETS
+            )  # its level after the change settles; densely while the growth is unknown
             self._offsets = CHANGE_OFFSETS if measured else DENSE_OFFSETS[1:]
         self._next = 0
         self._arm()
@@ -105,7 +113,8 @@ class Schedule:
         """Is a walk due at ``step``, and does it fit the budget? ``measured``: the growth is known
         (the walk is routine). (Every step: kept cheap.)"""
         offset = step - self._epoch_start
-        if self._owed < len(OWED_OFFSETS) and offset >= OWED_OFFSETS[self._owed]:
+        owed = self._owed_offsets
+        if self._owed < len(owed) and offset >= owed[self._owed]:
             return True
         wanted = (
             self._next < len(self._offsets) and offset >= self._offsets[self._next]
@@ -148,7 +157,7 @@ class Schedule:
         self._costs.append(cost)
         self.last_cost = statistics.median(self._costs)
         offset = step - self._epoch_start
-        while self._owed < len(OWED_OFFSETS) and OWED_OFFSETS[self._owed] <= offset:
+        while self._owed < len(self._owed_offsets) and self._owed_offsets[self._owed] <= offset:
             self._owed += 1
         while self._next < len(self._offsets) and self._offsets[self._next] <= offset:
             self._next += 1
