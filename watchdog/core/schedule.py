@@ -14,10 +14,12 @@ when walks are dear, so that they take 0.1% of decode).
 Every walk must also fit the budget: the watchdog's own time (all of ``observe``, on the decode
 thread, the fix included) stays within ``overhead_budget`` of the decode's wall time over the
 watchdog's lifetime, with a small start-up credit as a floor. A walk that does not fit waits until
-one does (a dense walk is taken at the first step it fits), except three walks of each new decode,
-owed whatever the budget says now: charged like the others, they are paid back by the routine
-walks, which give way. A busy batch's changes are no new decodes, so they are few. One-off costs
-(first calls, imports) are paid when the watchdog is made, not charged here.
+one does (a dense walk is taken at the first step it fits), except the walks owed whatever the
+budget says now: three of each new decode, two of a busy batch that changed before its growth was
+read. Charged like the others, they are paid back by the routine walks, which give way (and leave
+a share of the budget to the walks that measure). A busy batch's changes are no new decodes, so
+owed walks are few. One-off costs (first calls, imports) are paid when the watchdog is made, not
+charged here.
 """
 
 from __future__ import annotations
