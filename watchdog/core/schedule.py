@@ -48,8 +48,8 @@ WALK_CREDIT_SECONDS = 0.25
 AUTO_WALK_INTERVAL = 0.5  # seconds of decode between walks after the dense ones (walk_interval=None)...
 AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of decode time
 # The fix is charged to the budget, but a fix that alone spends it (fix_every=1 on a slow host)
-# must not blind the watchdog: the walks keep the start-up credit, or this share of the budget,
-# for themselves.
+# must not blind the watchdog: the walks keep the start-up credit (while it is what is allowed),
+# then this share of the budget, for themselves.
 WALK_FLOOR_SHARE = 0.1
 # Walks that measure a growth not known yet (a new decode's) come first: the others (the walk at
 # a change of a busy batch whose growth is known, the interval walks) leave this share of the
@@ -134,7 +134,11 @@ class Schedule:
         cost = walks * self.last_cost
         if self.spent + cost <= share * allowed:
             return True
-        return self.spent - self.fix_spent + cost <= max(WALK_FLOOR_SHARE * allowed, WALK_CREDIT_SECONDS)
+        # While the credit is what is allowed, the walks keep all of it; after that, a tenth of the
+        # budget (the credit kept for good lets the fix and the walks together overspend a busy
+        # server's first minutes).
+        floor = allowed if allowed == WALK_CREDIT_SECONDS else WALK_FLOOR_SHARE * allowed
+        return self.spent - self.fix_spent + cost <= floor
 
     def charge(self, seconds: float) -> None:
         """The watchdog's own seconds, against the budget. (``observe`` inlines this: every step.)"""
