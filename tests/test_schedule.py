@@ -13,7 +13,7 @@ from mlx_watchdog.core.schedule import Schedule
 
 events = st.lists(
     st.tuples(
-        st.sampled_from(["step"] * 12 + ["epoch", "join", "spend"]),
+        st.sampled_from(["step"] * 12 + ["epoch", "join", "unmeasured", "spend"]),
         st.floats(min_value=0.0, max_value=0.2),  # a step's seconds, or the budget spent
         st.floats(min_value=1e-6, max_value=0.01),  # the cost of a walk made at this step
         st.floats(min_value=0.0, max_value=1.0),  # its CPU share
@@ -36,8 +36,12 @@ def test_the_marks_never_hide_a_due_walk(events, budget, interval):
         if kind == "step":
             step += 1
             schedule.decode_seconds += seconds
-        elif kind in ("epoch", "join"):
-            schedule.new_epoch(step, continuing=kind == "join")
+        elif kind in (
+            "epoch",
+            "join",
+            "unmeasured",
+        ):  # a new decode; a busy batch changed, growth known or not
+            schedule.new_epoch(step, continuing=kind != "epoch", measured=kind != "unmeasured")
         else:
             schedule.spent += seconds
         woken = step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode

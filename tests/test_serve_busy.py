@@ -270,7 +270,7 @@ def test_busy_batch_readings_match_the_true_count(start_server, model_dir):
 
 # --------------------------------------------------------------------------- a'. a busy fix-mode server
 
-LOAD_SECONDS = 30.0
+LOAD_SECONDS = 25.0
 SCRAPE_SECONDS = 0.5
 TRUTH_EVERY = 6  # every 6th scrape is bracketed by two exact readings (each waits for a forward)
 
@@ -291,7 +291,7 @@ def _request(served: OracleServed, rng: random.Random, client: int, i: int) -> i
 
 def test_a_busy_fix_mode_server_knows_its_rate(start_server):
     """``serve --fix`` with the default options, 3 clients sending overlapping requests of 30-250
-    tokens (varied prompts, some streamed) for 30 s: requests join and leave the batch every
+    tokens (varied prompts, some streamed) for 25 s: requests join and leave the batch every
     second or so, and the batch empties now and then. Scraped every 0.5 s, as Prometheus would:
     while decoding, ``rate_known`` must be 1 on at least 90% of the scrapes (each change of the
     batch once reset what was being measured, and the first fix of each reset cleared the

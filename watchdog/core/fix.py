@@ -117,7 +117,10 @@ class Fixer:
 
     def reset(self, step: int) -> None:
         self.probe = None
-        self.last_step = step
+        # A new series is fixed at its first chance: the readings before its first fix measure
+        # another growth (the chains still growing) and are cleared then, so the fix comes before
+        # the walks that measure its rate (at 16 and 32 steps, schedule.py), not between them.
+        self.last_step = step - self.every
         self.fixed_once = False
         self.series_probes = self.walks_unprobed = 0
 

@@ -13,9 +13,13 @@ when walks are dear, so that they take 0.1% of decode).
 
 Every walk must also fit the budget: the watchdog's own time (all of ``observe``, on the decode
 thread, the fix included) stays within ``overhead_budget`` of the decode's wall time over the
-watchdog's lifetime, with a small start-up credit as a floor. No walk is exempt: a walk that does
-not fit waits until one does (a dense walk is taken at the first step it fits). One-off costs
-(first calls, imports) are paid when the watchdog is made, not charged here.
+watchdog's lifetime, with a small start-up credit as a floor. A walk that does not fit waits until
+one does (a dense walk is taken at the first step it fits), except the walks owed whatever the
+budget says now: three of each new decode, two of a busy batch that changed before its growth was
+read. Charged like the others, they are paid back by the routine walks, which give way (and leave
+a share of the budget to the walks that measure). A busy batch's changes are no new decodes, so
+owed walks are few. One-off costs (first calls, imports) are paid when the watchdog is made, not
+charged here.
 """
 
 from __future__ import annotations
@@ -25,6 +29,16 @@ import math
 import statistics
 
 DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into a new decode that are walked
+# Walks of a new decode taken even when the budget is spent now (they are charged, and the routine
+# walks after them give way): one for its level, two 16 steps apart for its rate. Without them a
+# server whose budget one slow walk had spent (300 ms on a loaded machine) was blind to the next
+# batch, and let requests run past the limit. The first step's reading is no point of the growth:
+# what the prompt's last forward left pending is still there then.
+OWED_OFFSETS = (0, 16, 32)
+# A busy batch that changed before its growth was read: two walks owed in its new epoch, once the
+# change has settled, for the rate (a batch that changes every second would otherwise put the
+# owed walks of its new decode off for good).
+OWED_CHANGE_OFFSETS = (1, 16)
 # A busy batch that changed: one walk, a step after the change (a burst of changes settles first).
 CHANGE_OFFSETS = (1,)
 # Budget granted up front (a floor, not added): a young watchdog must read the first requests of a
@@ -34,8 +48,8 @@ WALK_CREDIT_SECONDS = 0.25
 AUTO_WALK_INTERVAL = 0.5  # seconds of decode between walks after the dense ones (walk_interval=None)...
 AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of decode time
 # The fix is charged to the budget, but a fix that alone spends it (fix_every=1 on a slow host)
-# must not blind the watchdog: the walks keep the start-up credit, or this share of the budget,
-# for themselves.
+# must not blind the watchdog: the walks keep the start-up credit (while it is what is allowed),
+# then this share of the budget, for themselves.
 WALK_FLOOR_SHARE = 0.1
 # Walks that measure a growth not known yet (a new decode's) come first: the others (the walk at
 # a change of a busy batch whose growth is known, the interval walks) leave this share of the
@@ -62,6 +76,8 @@ class Schedule:
         self._offsets: tuple[int, ...] = DENSE_OFFSETS  # the epoch's walks, as steps into it
         self._next = 0  # index into _offsets of the next one
         self._continuing = False  # the epoch's caches partly go on from the last one
+        self._owed_offsets: tuple[int, ...] = OWED_OFFSETS  # the epoch's walks owed whatever the budget
+        self._owed = len(OWED_OFFSETS)  # index into _owed_offsets of the next one
         # Below both, no walk is wanted and due() is False: observe() skips the call (it runs on
         # every step, after the forward has left the CPU's caches cold; see Watchdog._observe).
         # wake_decode is the decode time of the last walk plus the gap to the next.
@@ -70,9 +86,12 @@ class Schedule:
         self._arm()
 
     def _arm(self) -> None:
-        """wake_step: the epoch's next walk."""
-        offsets = self._offsets
-        self.wake_step = self._epoch_start + offsets[self._next] if self._next < len(offsets) else math.inf
+        """wake_step: the epoch's next walk, or owed walk."""
+        owed = self._owed_offsets
+        offsets = [owed[self._owed]] if self._owed < len(owed) else []
+        if self._next < len(self._offsets):
+            offsets.append(self._offsets[self._next])
+        self.wake_step = self._epoch_start + min(offsets) if offsets else math.inf
 
     def new_epoch(self, step: int, continuing: bool = False, measured: bool = True) -> None:
         """A new epoch at ``step``. One whose caches partly go on (``continuing``: a request
@@ -81,9 +100,13 @@ class Schedule:
         such epochs per request or more)."""
         self._epoch_start = step
         self._continuing = continuing
+        self._owed = 0
         if not continuing:
-            self._offsets = DENSE_OFFSETS
-        else:  # its level after the change settles; densely while the growth is unknown
+            self._offsets, self._owed_offsets = DENSE_OFFSETS, OWED_OFFSETS
+        else:
+            self._owed_offsets = (
+                () if measured else OWED_CHANGE_OFFSETS
+            )  # its level after the change settles; densely while the growth is unknown
             self._offsets = CHANGE_OFFSETS if measured else DENSE_OFFSETS[1:]
         self._next = 0
         self._arm()
@@ -91,8 +114,12 @@ class Schedule:
     def due(self, step: int, measured: bool = True) -> bool:
         """Is a walk due at ``step``, and does it fit the budget? ``measured``: the growth is known
         (the walk is routine). (Every step: kept cheap.)"""
+        offset = step - self._epoch_start
+        owed = self._owed_offsets
+        if self._owed < len(owed) and offset >= owed[self._owed]:
+            return True
         wanted = (
-            self._next < len(self._offsets) and step - self._epoch_start >= self._offsets[self._next]
+            self._next < len(self._offsets) and offset >= self._offsets[self._next]
         ) or self.decode_seconds >= self.wake_decode
         return wanted and self.affordable(share=ROUTINE_SHARE if measured else 1.0)
 
@@ -107,7 +134,11 @@ class Schedule:
         cost = walks * self.last_cost
         if self.spent + cost <= share * allowed:
             return True
-        return self.spent - self.fix_spent + cost <= max(WALK_FLOOR_SHARE * allowed, WALK_CREDIT_SECONDS)
+        # While the credit is what is allowed, the walks keep all of it; after that, a tenth of the
+        # budget (the credit kept for good lets the fix and the walks together overspend a busy
+        # server's first minutes).
+        floor = allowed if allowed == WALK_CREDIT_SECONDS else WALK_FLOOR_SHARE * allowed
+        return self.spent - self.fix_spent + cost <= floor
 
     def charge(self, seconds: float) -> None:
         """The watchdog's own seconds, against the budget. (``observe`` inlines this: every step.)"""
@@ -132,6 +163,8 @@ class Schedule:
         self._costs.append(cost)
         self.last_cost = statistics.median(self._costs)
         offset = step - self._epoch_start
+        while self._owed < len(self._owed_offsets) and self._owed_offsets[self._owed] <= offset:
+            self._owed += 1
         while self._next < len(self._offsets) and self._offsets[self._next] <= offset:
             self._next += 1
         if self.walk_interval is not None:
