@@ -236,6 +236,12 @@ def _site(owner: objects.TypeInfo, name: Any) -> str:
     return f"{owner.name}.{name}"[:MAX_SITE_LEN] if name else f"{owner.name}[]"
 
 
+def steps_key(steps: tuple) -> tuple:
+    """``steps`` as a dictionary key that hashes no object of the program's: a key that is not
+    exactly a str or an int (a dict's key object may define ``__hash__``) goes by its id."""
+    return tuple((kind, key if type(key) in (str, int) else id(key)) for kind, key in steps)
+
+
 def resolve(root: Any, steps: tuple[tuple[str, Any], ...]) -> Any:
     """Follow the access steps recorded by :func:`scan` from ``root`` to its array (no walk, no
     user code)."""

@@ -344,6 +344,13 @@ def hidden_values(value: Any, limit: int) -> list[Any] | None:
 
 
 _ndim = mx.array.__dict__["ndim"].__get__
+_shape = mx.array.__dict__["shape"].__get__
+
+
+def array_shape(array: mx.array) -> tuple[int, ...]:
+    """The array's shape through ``mx.array``'s own descriptor: a subclass's attribute hooks
+    (``__getattribute__``, a ``shape`` property) are the program's code, never run by a walk."""
+    return tuple(_shape(array))
 
 
 def usable_array(value: Any) -> bool:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from .arrays import Found, resolve
+from .arrays import Found, resolve, steps_key
 from .fix import resolvable
+from .objects import array_shape
 
 EVERY = 4  # steps between two looks at the rows
 RUN_LIMIT = 3  # an array whose rows changed at this many looks in a row is no batch
@@ -28,7 +29,7 @@ RUN_LIMIT = 3  # an array whose rows changed at this many looks in a row is no b
 class RowsWatch:
     def __init__(self) -> None:
         self.probe: tuple[tuple, int] | None = None  # (path from the roots, rows at the last look)
-        self._seen: dict[tuple, int] = {}  # path -> rows, at the last walk of this epoch
+        self._seen: dict[tuple, int] = {}  # steps_key(path) -> rows, at the last walk of this epoch
         self._epoch = -1
         self._dropped: set[tuple] = set()
         self._last_change = -EVERY - 1  # step
@@ -42,25 +43,30 @@ class RowsWatch:
 
     def arm(self, found: list[Found], epoch: int) -> None:
         """At a walk of the roots (``found``, root 0): choose the array to watch."""
-        rows = {}
+        rows, paths = {}, {}  # keyed by steps_key: a path's own keys may be the program's objects
         for f in found:
-            if f.root == 0 and f.array.ndim >= 2 and f.steps not in self._dropped and resolvable(f.steps):
-                rows[f.steps] = f.array.shape[0]
+            if f.root != 0 or len(array_shape(f.array)) < 2 or not resolvable(f.steps):
+                continue
+            key = steps_key(f.steps)
+            if key not in self._dropped:
+                rows[key], paths[key] = array_shape(f.array)[0], f.steps
         seen = self._seen if epoch == self._epoch else {}
         self._seen, self._epoch = rows, epoch
-        steady = {path: n for path, n in rows.items() if seen.get(path, n) == n}
+        steady = {key: n for key, n in rows.items() if seen.get(key, n) == n}
         if not steady:
             self.probe = None
             return
         batch = collections.Counter(steady.values()).most_common(1)[0][0]
         # The shortest path: it is followed at every step.
-        self.probe = min(((path, n) for path, n in steady.items() if n == batch), key=lambda p: len(p[0]))
+        self.probe = min(
+            ((paths[key], n) for key, n in steady.items() if n == batch), key=lambda p: len(p[0])
+        )
 
     def changed(self, roots: Any, step: int) -> bool:
         """Every ``EVERY`` steps: has the watched array another number of rows than it had?"""
         path, rows = self.probe  # type: ignore[misc]
         try:
-            now = resolve(roots, path).shape[0]
+            now = array_shape(resolve(roots, path))[0]
         except Exception:  # the structure changed: gone until the next walk
             self.probe = None
             return True
@@ -69,7 +75,7 @@ class RowsWatch:
         self._run = self._run + 1 if step - self._last_change <= EVERY else 1
         self._last_change = step
         if self._run >= RUN_LIMIT:
-            self._dropped.add(path)
+            self._dropped.add(steps_key(path))
             self.probe = None
             return False
         self.probe = (path, now)

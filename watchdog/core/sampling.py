@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 from . import forecast, graph
 from .arrays import Found
 from .graph import TooDeep, account, deep_walker, is_evaluated
+from .objects import array_shape
 
 STALL_SECONDS = 0.04  # CPU time one reading may block the decode for, when it can be kept to it
 INITIAL_SECONDS_PER_NODE = 4e-6  # until learnt on this machine
@@ -296,7 +297,7 @@ class Sampler:
                 key = self._key(found[i])
                 if last is None and key not in self._present and site in read_before and site in self._clocks:
                     self._joined.setdefault(key, step)
-                if last is not None and last.still and last.shape != tuple(found[i].array.shape):
+                if last is not None and last.still and last.shape != array_shape(found[i].array):
                     # A batch change moves a still array too, and no clock carries it there: its
                     # chain is short (the program cuts it), so walk it.
                     chosen.append(i)
@@ -496,7 +497,7 @@ class Sampler:
                         step,
                         still,
                         base,
-                        tuple(reading.found[i].array.shape),
+                        array_shape(reading.found[i].array),
                     )
                 elif key in self._walked:
                     history[key] = self._walked[key]

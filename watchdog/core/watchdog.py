@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten
 from . import allocator, graph
 from . import forecast as fc
 from .actions import ResourceLimitForecast, Warnings, remedy
-from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all
+from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all, steps_key
 from .attribution import Attribution
 from .caches import KEPT_MARK, Scope, member_of
 from .coordination import Coordinator, launched, new_coordinator
@@ -604,7 +604,7 @@ class Watchdog:
         owners = [(members[f.root], f.steps) if f.root else member_of(roots, f.steps) for f in found]
         if given:
             self._rows.arm(found, self._epoch)
-        reading = self._sampler.read(found, step, root_keys, [(id(m), rest) for m, rest in owners])
+        reading = self._sampler.read(found, step, root_keys, [(id(m), steps_key(rest)) for m, rest in owners])
         pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
         self._fixer.remember_paths(found, pending)
 
