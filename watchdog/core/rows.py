@@ -18,10 +18,15 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import mlx.core as mx
+
 from .arrays import Found, resolve
 from .fix import resolvable
 
 EVERY = 4  # steps between two looks at the rows
+# Read through mx.array's own descriptors: a subclass's attribute code is the program's.
+_shape = mx.array.__dict__["shape"].__get__
+_ndim = mx.array.__dict__["ndim"].__get__
 RUN_LIMIT = 3  # an array whose rows changed at this many looks in a row is no batch
 
 
@@ -44,8 +49,8 @@ class RowsWatch:
         """At a walk of the roots (``found``, root 0): choose the array to watch."""
         rows = {}
         for f in found:
-            if f.root == 0 and f.array.ndim >= 2 and f.steps not in self._dropped and resolvable(f.steps):
-                rows[f.steps] = f.array.shape[0]
+            if f.root == 0 and _ndim(f.array) >= 2 and f.steps not in self._dropped and resolvable(f.steps):
+                rows[f.steps] = _shape(f.array)[0]
         seen = self._seen if epoch == self._epoch else {}
         self._seen, self._epoch = rows, epoch
         steady = {path: n for path, n in rows.items() if seen.get(path, n) == n}
@@ -60,7 +65,7 @@ class RowsWatch:
         """Every ``EVERY`` steps: has the watched array another number of rows than it had?"""
         path, rows = self.probe  # type: ignore[misc]
         try:
-            now = resolve(roots, path).shape[0]
+            now = _shape(resolve(roots, path))[0]
         except Exception:  # the structure changed: gone until the next walk
             self.probe = None
             return True
