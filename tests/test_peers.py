@@ -387,6 +387,7 @@ class Runs:
             result["after"] = server.overlapping(
                 self.models[HYBRID], range(3), max_tokens=20, one_by_one=True
             )
+            result["truth"] = server.truth()
             return self.finish(server, result)
         finally:
             server.stop()
@@ -484,9 +485,14 @@ def test_a_stop_in_vllm_mlx_fails_the_running_batch_and_the_server_serves_on(run
 
 @pytest.mark.slow
 def test_a_stop_in_mlx_vlm_fails_the_running_batch_and_the_server_serves_on(runs):
-    batch = max(resident(runs.get("mlx-vlm", "watched")[HYBRID], HYBRID))
-    assert batch > MLX_VLM_LIMIT, f"the hybrid's batch holds {batch} buffers, not over {MLX_VLM_LIMIT}"
     run = runs.get("mlx-vlm", "stopped")
+    # A stop fired: the batch crossed the limit (a scrape of the watched run may miss its peak,
+    # so that run's readings only explain a failure here).
+    stops = values(run["metrics"], "mlx_watchdog_stops_total", watchdog=HYBRID, reason="forecast")
+    batch = max(resident(runs.get("mlx-vlm", "watched")[HYBRID], HYBRID))
+    assert stops and stops[0] >= 1, (
+        f"no stop at the limit {MLX_VLM_LIMIT}: the watched batch was read at most {batch} buffers"
+    )
     for reply in run["stop"]["replies"]:
         # The watchdog's message reaches the client: mlx-vlm passes the exception's text on.
         assert "mlx-watchdog stopped the generation" in json.dumps(reply.errors), reply
@@ -494,11 +500,16 @@ def test_a_stop_in_mlx_vlm_fails_the_running_batch_and_the_server_serves_on(runs
             assert reply.status == 200 and not reply.done, reply  # an error event, no [DONE]
         else:
             assert reply.status == 500, reply
-    assert values(run["metrics"], "mlx_watchdog_stops_total", watchdog=HYBRID, reason="forecast")[0] >= 1
-    # The same model, one request at a time. The first, sent as the stopped batch failed, may meet
-    # its caches still alive and be stopped too; the server answers every later one in full.
-    first, *later = run["after"]["replies"]
-    if first.status != 200:
-        assert "mlx-watchdog stopped the generation" in json.dumps(first.errors), first
-    served({"replies": later if first.status != 200 else [first, *later]})
+    # The same model, one request at a time: every one is answered. mlx-vlm keeps some of the failed
+    # batch's caches alive after the failure (the exact count of a request alone was 178 here, not
+    # the 153 of a request before the stop), and the watchdog reads them (as kept caches): a request
+    # is stopped only where the exact count shows the process at the limit; the rest are whole.
+    ended = run["stop"]["scrapes"][-1][0]
+    after = [x["live"] for x in run["truth"] if x["t"] > ended]
+    for reply in run["after"]["replies"]:
+        if reply.errors:  # a 500, or when streamed a 200 whose events end in the watchdog's error
+            assert "mlx-watchdog stopped the generation" in json.dumps(reply.errors), reply
+            assert after and max(after) >= 0.95 * MLX_VLM_LIMIT, (after, reply)
+        else:
+            served({"replies": [reply]})
     assert set(errors_total(run["metrics"])) == {0.0}
