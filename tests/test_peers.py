@@ -502,7 +502,7 @@ def test_a_stop_in_mlx_vlm_fails_the_running_batch_and_the_server_serves_on(runs
             assert reply.status == 500, reply
     # The same model, one request at a time: every one is answered. mlx-vlm keeps some of the failed
     # batch's caches alive after the failure (the exact count of a request alone was 178 here, not
-    # the 153 of a request before the stop), and the watchdog reads them (as kept caches): a request
+    # about 161 before the stop), and the watchdog reads them (as kept caches): a request
     # is stopped only where the exact count shows the process at the limit; the rest are whole.
     ended = run["stop"]["scrapes"][-1][0]
     after = [x["live"] for x in run["truth"] if x["t"] > ended]
