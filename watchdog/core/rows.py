@@ -45,11 +45,11 @@ class RowsWatch:
         """At a walk of the roots (``found``, root 0): choose the array to watch."""
         rows, paths = {}, {}  # keyed by steps_key: a path's own keys may be the program's objects
         for f in found:
-            if f.root != 0 or len(array_shape(f.array)) < 2 or not resolvable(f.steps):
+            if f.root != 0 or not resolvable(f.steps):
                 continue
-            key = steps_key(f.steps)
-            if key not in self._dropped:
-                rows[key], paths[key] = array_shape(f.array)[0], f.steps
+            shape, key = array_shape(f.array), steps_key(f.steps)
+            if len(shape) >= 2 and key not in self._dropped:
+                rows[key], paths[key] = shape[0], f.steps
         seen = self._seen if epoch == self._epoch else {}
         self._seen, self._epoch = rows, epoch
         steady = {key: n for key, n in rows.items() if seen.get(key, n) == n}
