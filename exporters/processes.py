@@ -143,7 +143,11 @@ class SnapshotWriter:
                     _unlink(self.path)
                 self._last = None
                 return False
-            signature = tuple((id(wd), wd.name, wd.steps, wd.decoding()) for wd in watchdogs)
+            # A stop or a caught error changes the exposition without a step: written too.
+            signature = tuple(
+                (id(wd), wd.name, wd.steps, wd.decoding(), sum(dict(wd.stops).values()), wd.internal_errors)
+                for wd in watchdogs
+            )
             if signature == self._last and not force:
                 return False
             text = self._header_line() + generate_latest(self.registry).decode()

@@ -634,6 +634,13 @@ def test_snapshot_writer_writes_on_change_and_removes_its_file(tmp_path):
         assert text.startswith(f"# mlx-watchdog snapshot pid={os.getpid()} ")
         assert 'mlx_watchdog_steps_total{watchdog="snap"} 1.0' in text
         assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+        # a stop, or a caught error, without a step after it: written too
+        wd.record_stop("forecast")
+        assert writer.write()
+        assert 'mlx_watchdog_stops_total{reason="forecast",watchdog="snap"} 1.0' in path.read_text()
+        wd.record_internal_error("a test", RuntimeError("caught"))
+        assert writer.write()
+        assert 'mlx_watchdog_internal_errors_total{watchdog="snap"} 1.0' in path.read_text()
     finally:
         wd.export = False
         writer.stop()
