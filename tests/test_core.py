@@ -435,6 +435,51 @@ def test_a_busy_batch_in_fix_mode_keeps_its_rate_within_the_budget(monkeypatch):
     assert known >= 0.9 * steps, known
 
 
+def test_a_fix_the_budget_cannot_pay_for_waits_but_still_cuts_the_chains(monkeypatch):
+    # Each fix costs 4 ms and is due every 16 steps of 1/64 s: alone 1.6% of the decode, past the
+    # 1% budget. The fixes wait until the budget pays for them, up to 4 times their interval: the
+    # watchdog's own time stays within the budget, the chain of every cache is still cut (the
+    # array it holds is scheduled at least every 64 steps), and the rate (nothing left growing)
+    # is known.
+    clock = FakeClock()
+    use_clock(monkeypatch, clock)
+    walk_cost, fix_cost = 2**-9, 2**-8  # ~2 ms, ~4 ms
+    charge_walks(monkeypatch, clock, lambda reading: walk_cost)
+    real_schedule = core.schedule_evaluation
+    cut_at: dict[int, list[int]] = {i: [] for i in range(4)}
+
+    def costly_schedule(arrays, async_eval):
+        clock.now += fix_cost
+        for i, cache in enumerate(caches):
+            if any(a is cache.countdown for a in arrays):
+                cut_at[i].append(wd.steps)
+        return real_schedule(arrays, async_eval)
+
+    monkeypatch.setattr(core, "schedule_evaluation", costly_schedule)
+    wd = Watchdog(limit=10**6, export=False, fix=True)
+    caches = [ScalarCache() for _ in range(4)]
+    decode, known, steps = 0.0, 0, 4000
+    for step in range(1, steps + 1):
+        wd.observe(caches)
+        for cache in caches:
+            cache.step()
+        clock.now += STEP
+        decode += STEP
+        f = wd.forecast()
+        known += f.rate_known
+        if decode >= 2 * schedule.WALK_CREDIT_SECONDS / 0.01:  # over it by one observe() at most
+            assert wd.overhead_seconds <= 0.01 * decode + 2 * walk_cost + fix_cost, (
+                step,
+                wd.overhead_seconds,
+            )
+    for cuts in cut_at.values():
+        gaps = [b - a for a, b in zip(cuts, cuts[1:] + [steps])]
+        assert cuts and cuts[0] <= 32 and max(gaps) <= 4 * 16, cuts  # cut early, never past 64 steps
+        assert len(cuts) < steps / 16 * 0.8, len(cuts)  # and spaced: fewer than one in 16 steps
+    assert known >= 0.9 * steps, known
+    assert f.buffers_per_step < 0.5, f
+
+
 def test_caches_that_join_are_read_with_the_others_and_their_arrival_is_no_growth():
     # The unit is every cache alive, not one decode: a cache that joins (a request entering a
     # busy batch) adds its buffers at once, a jump that is not growth; the growth goes on.

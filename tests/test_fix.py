@@ -676,3 +676,58 @@ def test_materializing_does_not_starve_the_walks(monkeypatch):
 def test_bad_fix_every_is_rejected(bad):
     with pytest.raises(ValueError, match="fix_every"):
         Watchdog(fix=True, fix_every=bad)
+
+
+def test_a_fix_that_meets_long_chains_cuts_them_a_share_a_step(counter, monkeypatch):
+    # A decode watched late: 12 caches whose countdown holds a 2,000-node pending chain. One fix
+    # of all of them would evaluate 24,000 nodes in one step (at the crash scale, 470,000 took 5 s).
+    # The fix cuts about FIX_NODES nodes a step (2 chains), in steps that walk no graph, until all
+    # are cut: the exact count falls by the chains' buffers, and stays flat under the fix.
+    depth, chains = 2000, 12
+
+    class LongChain:
+        def __init__(self):
+            self.countdown = mx.array(10**6)
+            mx.eval(self.countdown)
+            for _ in range(depth):
+                self.countdown = self.countdown - 1
+
+        def step(self):
+            self.countdown = self.countdown - 1
+
+    calls: list[tuple[int, int]] = []  # (step, long chains scheduled)
+    real = core.schedule_evaluation
+
+    def recording(arrays, async_eval):
+        long_ones = {id(c.countdown) for c in caches if c.steps_since_fix >= 100}
+        calls.append((wd.steps, sum(id(a) in long_ones for a in arrays)))
+        for c in caches:
+            if any(a is c.countdown for a in arrays):
+                c.steps_since_fix = 0
+        return real(arrays, async_eval)
+
+    monkeypatch.setattr(core, "schedule_evaluation", recording)
+    baseline = counter.live(collect=True)
+    caches = [LongChain() for _ in range(chains)]
+    for c in caches:
+        c.steps_since_fix = depth
+    held = counter.live(collect=True) - baseline
+    assert held >= chains * depth  # one buffer per pending scalar node at least
+    wd = Watchdog(limit=10**7, export=False, fix=True, overhead_budget=1.0)
+    walked = []
+    for _ in range(60):
+        before = wd.walks
+        wd.observe(caches)
+        if wd.walks > before:
+            walked.append(wd.steps)
+        for c in caches:
+            c.step()
+            c.steps_since_fix += 1
+    per_call = [n for _, n in calls if n]
+    share = max(1, fix_module.FIX_NODES // depth)
+    assert per_call and max(per_call) <= share, calls  # never more than a share in one step
+    assert sum(per_call) == chains, calls  # every chain cut, once
+    assert not {step for step, n in calls if n} & set(walked), (calls, walked)  # not in a walk's step
+    assert all(c.steps_since_fix < 60 for c in caches)
+    left = counter.live(collect=True) - baseline
+    assert left < held / 10, (left, held)  # the chains' buffers are gone

@@ -22,6 +22,10 @@ PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
 PROBES_FIRST = 8  # the dense walks of a new series (schedule.DENSE_OFFSETS) all probe
 PROBE_EVERY = 4
 FULL_SWEEP_FIXES = 16  # between walks, every 16th fix re-reads every cache array, not only the pending ones
+# A fix that meets long chains (the first after a long decode unfixed: 470k pending nodes took 5 s
+# of one step) cuts them a share a step, about this many nodes (tens of ms), in steps that walk
+# nothing. A chain is cut whole: one longer than this is a step's share alone.
+FIX_NODES = 5000
 
 
 def materialize(obj: Any) -> int:
@@ -107,6 +111,9 @@ class Fixer:
         self.probe: Probe | None = None
         self.last_step = 0
         self.fixed_once = False
+        self.backlog = False  # a fix of long chains is under way, a share a step
+        self._backlog_nodes = 0.0  # pending nodes an array held as it began
+        self._backlog_next = 0  # where its next share starts, in the list of pending arrays
         self._paths: list[tuple] | None = None  # every array's access steps, from the last walk
         self._pending_paths: list[tuple] | None = None  # (site, steps) of its pending arrays
         # Kept caches already cut: id -> (weak reference, its last forward's step). A kept cache
@@ -117,6 +124,7 @@ class Fixer:
 
     def reset(self, step: int) -> None:
         self.probe = None
+        self.backlog = False
         # A new series is fixed at its first chance: the readings before its first fix measure
         # another growth (the chains still growing) and are cleared then, so the fix comes before
         # the walks that measure its rate (at 16 and 32 steps, schedule.py), not between them.
@@ -200,8 +208,36 @@ class Fixer:
     def cancel_probe(self) -> None:
         self.probe = None
 
-    def due(self, step: int, last_output: Any) -> bool:
-        return self.probe is None and step - self.last_step >= self.every and evaluated_output(last_output)
+    def due(self, step: int, last_output: Any, affordable: Callable[[], bool], stretch: int) -> bool:
+        """Is a fix due at ``step``? Every ``every`` steps, once the program has evaluated its
+        last output; one the budget cannot pay for (``affordable()``) waits, up to ``stretch``
+        times ``every`` steps. The first of a series does not wait: the readings wait for it."""
+        if self.backlog:
+            return self.probe is None and evaluated_output(last_output)
+        gap = step - self.last_step
+        if self.probe is not None or gap < self.every:
+            return False
+        if self.fixed_once and gap < stretch * self.every and not affordable():
+            return False
+        return evaluated_output(last_output)
+
+    def share(self, pending: list[mx.array], nodes_per_array: float | None, walked: bool) -> list[mx.array]:
+        """This step's share of the fix: all of ``pending``, unless its chains are long
+        (``nodes_per_array``: as the last walk saw them, None when a fix ran since). Then about
+        FIX_NODES nodes of it, the arrays not scheduled yet, in a step that took no walk (none
+        in this one), and ``backlog`` says whether more are left for the next steps."""
+        if not self.backlog:
+            if nodes_per_array is None or nodes_per_array * len(pending) <= FIX_NODES:
+                return pending
+            self.backlog, self._backlog_nodes, self._backlog_next = True, nodes_per_array, 0
+        if walked:
+            return []
+        # In the order the paths give them, a share after the other (a chain cut in an earlier
+        # share is pending again by now, one step long: telling it from a long one needs a walk).
+        first = self._backlog_next
+        self._backlog_next = last = first + max(1, int(FIX_NODES // max(self._backlog_nodes, 1.0)))
+        self.backlog = last < len(pending)
+        return pending[first:last]
 
     def pending(
         self,

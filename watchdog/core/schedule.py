@@ -51,6 +51,11 @@ AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of d
 # must not blind the watchdog: the walks keep the start-up credit (while it is what is allowed),
 # then this share of the budget, for themselves.
 WALK_FLOOR_SHARE = 0.1
+# A fix the budget cannot pay for now waits until it can, but at most this many times its interval
+# (fix_every): a busy server's fixes (1-4 ms of wall time each on a loaded host, ~4 a second) alone
+# took past 1% of its time. The chains it cuts grow that much longer meanwhile, a few thousand
+# buffers at the most, and a stop decision fixes first whatever the budget.
+FIX_STRETCH = 4
 # Walks that measure a growth not known yet (a new decode's) come first: the others (the walk at
 # a change of a busy batch whose growth is known, the interval walks) leave this share of the
 # budget to them. A server whose batch empties now and then must read each new batch's growth
@@ -72,12 +77,15 @@ class Schedule:
             maxlen=COST_WINDOW
         )  # the last walks' seconds
         self.last_cost = 0.0  # what the next walk is expected to cost
+        self._fix_costs: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
+        self.fix_cost = 0.0  # what the next fix is expected to cost
         self._epoch_start = 0
         self._offsets: tuple[int, ...] = DENSE_OFFSETS  # the epoch's walks, as steps into it
         self._next = 0  # index into _offsets of the next one
         self._continuing = False  # the epoch's caches partly go on from the last one
         self._owed_offsets: tuple[int, ...] = OWED_OFFSETS  # the epoch's walks owed whatever the budget
         self._owed = len(OWED_OFFSETS)  # index into _owed_offsets of the next one
+        self._owed_next = False  # a walk owed at the next step (owe_walk)
         # Below both, no walk is wanted and due() is False: observe() skips the call (it runs on
         # every step, after the forward has left the CPU's caches cold; see Watchdog._observe).
         # wake_decode is the decode time of the last walk plus the gap to the next.
@@ -92,6 +100,8 @@ class Schedule:
         if self._next < len(self._offsets):
             offsets.append(self._offsets[self._next])
         self.wake_step = self._epoch_start + min(offsets) if offsets else math.inf
+        if self._owed_next:
+            self.wake_step = 0
 
     def new_epoch(self, step: int, continuing: bool = False, measured: bool = True) -> None:
         """A new epoch at ``step``. One whose caches partly go on (``continuing``: a request
@@ -116,7 +126,7 @@ class Schedule:
         (the walk is routine). (Every step: kept cheap.)"""
         offset = step - self._epoch_start
         owed = self._owed_offsets
-        if self._owed < len(owed) and offset >= owed[self._owed]:
+        if self._owed_next or (self._owed < len(owed) and offset >= owed[self._owed]):
             return True
         wanted = (
             self._next < len(self._offsets) and offset >= self._offsets[self._next]
@@ -140,6 +150,12 @@ class Schedule:
         floor = allowed if allowed == WALK_CREDIT_SECONDS else WALK_FLOOR_SHARE * allowed
         return self.spent - self.fix_spent + cost <= floor
 
+    def owe_walk(self) -> None:
+        """A walk at the next step, whatever the budget: what the last one read is stale (a fix
+        of long chains, spread over steps, has just cut them)."""
+        self._owed_next = True
+        self.wake_step = 0
+
     def charge(self, seconds: float) -> None:
         """The watchdog's own seconds, against the budget. (``observe`` inlines this: every step.)"""
         self.spent += seconds
@@ -147,6 +163,13 @@ class Schedule:
     def charge_fix(self, seconds: float) -> None:
         """Of the seconds charged, those the fix took (``observe`` has charged them already)."""
         self.fix_spent += seconds
+        self._fix_costs.append(seconds)
+        self.fix_cost = statistics.median(self._fix_costs)
+
+    def fix_affordable(self) -> bool:
+        """Does one more fix (at the last ones' cost) fit the budget? (Asked once a fix is due.)"""
+        allowed = max(self.overhead_budget * self.decode_seconds, WALK_CREDIT_SECONDS)
+        return self.spent + self.fix_cost <= allowed
 
     def refund(self, seconds: float) -> None:
         """Seconds charged that were not the watchdog's to pay (the program's deferred work)."""
@@ -162,6 +185,7 @@ class Schedule:
         of CPU (its work: a walk that waited for a core must not space the next ones out)."""
         self._costs.append(cost)
         self.last_cost = statistics.median(self._costs)
+        self._owed_next = False
         offset = step - self._epoch_start
         while self._owed < len(self._owed_offsets) and self._owed_offsets[self._owed] <= offset:
             self._owed += 1

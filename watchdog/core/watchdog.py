@@ -53,7 +53,7 @@ from .options import (
 from .rows import EVERY as ROWS_EVERY
 from .rows import RowsWatch
 from .sampling import Sampler, warm_up
-from .schedule import ROUTINE_SHARE, Schedule
+from .schedule import FIX_STRETCH, ROUTINE_SHARE, Schedule
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -109,6 +109,7 @@ class _LastReading:
     sampled: bool = False
     by_cache: tuple[_CacheTally, ...] = ()
     mlx_cached: int = 0  # buffers in MLX's cache, read from MLX's own counter (0 without one)
+    pending_arrays: int = 0  # of the arrays walked (or, sampled, estimated), those still lazy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,8 @@ class Watchdog:
         fix: materialize pending cache arrays (``mx.async_eval``: cuts lazy chains, no wait on
             the device): those of the sites seen growing, and every pending one each
             ``fix.FULL_SWEEP_FIXES``-th fix and before a stop (``fix.py``).
-        fix_every: run the fix every N observed steps.
+        fix_every: run the fix every N observed steps, or less often (at most 4N) while the
+            overhead budget cannot pay for it.
         warn_within: log a warning when the limit is forecast within this many steps (at most once a minute).
         stop_within: raise :class:`ResourceLimitForecast` when the limit is forecast within this many steps.
         on_forecast: called with each new :class:`Forecast` (after each graph walk).
@@ -507,15 +509,20 @@ class Watchdog:
             probe = fixer.end_probe(step)
             if probe is not None:
                 walked_pending = self._walk(roots, step, probe)
-        elif (step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode) and schedule.due(
-            step, self._growth.known
+        elif (
+            (step >= schedule.wake_step or schedule.decode_seconds >= schedule.wake_decode)
+            and not fixer.backlog  # long chains are being cut: a walk now reads them half cut
+            and schedule.due(step, self._growth.known)
         ):
             walked_pending = self._walk(roots, step)
             # A probe's second walk is taken whatever the budget: it must fit now, with this one.
             if self.fix and self._last.pending_nodes and fixer.wants_probe() and schedule.affordable(walks=2):
                 fixer.start_probe(step, self._growth.site_buffers())
-        if self.fix and fixer.due(step, last_output):
+        if self.fix and fixer.due(step, last_output, schedule.fix_affordable, FIX_STRETCH):
+            backlog = fixer.backlog
             self._fix(roots, walked_pending, step)
+            if backlog and not fixer.backlog:
+                schedule.owe_walk()  # the long chains are cut: the last reading is stale
         if self.stop_within is not None or self.warn_within is not None or self._coordinator is not None:
             self._act(roots, last_output, step)
 
@@ -685,6 +692,7 @@ class Watchdog:
                 reading.sampled,
                 tuple(cache for cache in by_cache.values() if cache.ref is not None),
                 mlx_cached,
+                reading.pending_arrays,
             )
             self.walks += 1
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
@@ -708,6 +716,13 @@ class Watchdog:
             pending = fixer.pending(
                 roots, walked_pending, self._growth.growing, sweep, self.max_objects, self.max_depth
             )
+            if not sweep:
+                last = self._last
+                walked_since_fix = last.step > fixer.last_step or not fixer.fixed_once
+                nodes = last.pending_nodes / max(1, last.pending_arrays) if walked_since_fix else None
+                pending = fixer.share(pending, nodes, walked=walked_pending is not None)
+                if not pending and fixer.backlog:  # postponed to a step that walks nothing
+                    return
             # A server's kept caches: their chains, at the sites seen leaking while they stepped.
             leaking = self._growth.growing
             if leaking is None:
