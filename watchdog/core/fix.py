@@ -224,8 +224,8 @@ class Fixer:
     def share(self, pending: list[mx.array], nodes_per_array: float | None, walked: bool) -> list[mx.array]:
         """This step's share of the fix: all of ``pending``, unless its chains are long
         (``nodes_per_array``: as the last walk saw them, None when a fix ran since). Then about
-        FIX_NODES nodes of it, the arrays not scheduled yet, in a step that took no walk (none
-        in this one), and ``backlog`` says whether more are left for the next steps."""
+        FIX_NODES nodes of it, the next arrays in ``pending``'s order, in a step that took no
+        walk (none in this one); ``backlog`` says whether more are left for the next steps."""
         if not self.backlog:
             if nodes_per_array is None or nodes_per_array * len(pending) <= FIX_NODES:
                 return pending
