@@ -110,6 +110,7 @@ class _LastReading:
     by_cache: tuple[_CacheTally, ...] = ()
     mlx_cached: int = 0  # buffers in MLX's cache, read from MLX's own counter (0 without one)
     pending_arrays: int = 0  # of the arrays walked (or, sampled, estimated), those still lazy
+    fixed_at: int = 0  # the step of the last fix before the reading (in fix mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -693,6 +694,7 @@ class Watchdog:
                 tuple(cache for cache in by_cache.values() if cache.ref is not None),
                 mlx_cached,
                 reading.pending_arrays,
+                self._fixer.last_step,
             )
             self.walks += 1
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
@@ -875,7 +877,13 @@ class Watchdog:
             )
         # The growth since goes on in the caches that live: with a cache gone, so is its share.
         growth = max(0.0, self._growth.rate) * (step - last.step) * gone.alive_share
-        return max(float(self._parameter_buffers), last.resident - gone.buffers) + growth
+        fixer, cut = self._fixer, self._growth.probed
+        if self.fix and fixer.fixed_once and cut:
+            # Between two fixes the chains it cuts grow back (a sawtooth, up to 4x fix_every steps
+            # high when the budget spaces the fixes): as high now as the steps since the last fix
+            # made them, against as high as they were at the reading.
+            growth += cut * ((step - fixer.last_step) - (last.step - last.fixed_at)) * gone.alive_share
+        return max(float(self._parameter_buffers), last.resident - gone.buffers + growth)
 
     def _ranks(self) -> tuple[int, int]:
         coordinator = self._coordinator
