@@ -678,23 +678,25 @@ def test_bad_fix_every_is_rejected(bad):
         Watchdog(fix=True, fix_every=bad)
 
 
+class LongChain:
+    """A cache whose countdown holds a pending chain of ``depth`` nodes, one more each step."""
+
+    def __init__(self, depth: int):
+        self.countdown = mx.array(10**6)
+        mx.eval(self.countdown)
+        for _ in range(depth):
+            self.countdown = self.countdown - 1
+
+    def step(self):
+        self.countdown = self.countdown - 1
+
+
 def test_a_fix_that_meets_long_chains_cuts_them_a_share_a_step(counter, monkeypatch):
     # A decode watched late: 12 caches whose countdown holds a 2,000-node pending chain. One fix
     # of all of them would evaluate 24,000 nodes in one step (at the crash scale, 470,000 took 5 s).
     # The fix cuts about FIX_NODES nodes a step (2 chains), in steps that walk no graph, until all
     # are cut: the exact count falls by the chains' buffers, and stays flat under the fix.
     depth, chains = 2000, 12
-
-    class LongChain:
-        def __init__(self):
-            self.countdown = mx.array(10**6)
-            mx.eval(self.countdown)
-            for _ in range(depth):
-                self.countdown = self.countdown - 1
-
-        def step(self):
-            self.countdown = self.countdown - 1
-
     calls: list[tuple[int, int]] = []  # (step, long chains scheduled)
     real = core.schedule_evaluation
 
@@ -708,7 +710,7 @@ def test_a_fix_that_meets_long_chains_cuts_them_a_share_a_step(counter, monkeypa
 
     monkeypatch.setattr(core, "schedule_evaluation", recording)
     baseline = counter.live(collect=True)
-    caches = [LongChain() for _ in range(chains)]
+    caches = [LongChain(depth) for _ in range(chains)]
     for c in caches:
         c.steps_since_fix = depth
     held = counter.live(collect=True) - baseline
@@ -731,6 +733,32 @@ def test_a_fix_that_meets_long_chains_cuts_them_a_share_a_step(counter, monkeypa
     assert all(c.steps_since_fix < 60 for c in caches)
     left = counter.live(collect=True) - baseline
     assert left < held / 10, (left, held)  # the chains' buffers are gone
+
+
+def test_shares_that_cannot_run_do_not_stop_the_walks():
+    # The shares wait for the program's output, like every fix; a program that stops evaluating
+    # it (here: its output stays lazy once the shares began) must not leave the walks waiting for
+    # shares that never come: they go on within twice the steps the shares needed (and a probe's).
+    caches = [LongChain(2000) for _ in range(12)]
+    wd = Watchdog(limit=10**7, export=False, fix=True, overhead_budget=1.0, walk_interval=0)
+    lazy = mx.array(1) + 1
+    backlog_at, walks_after = None, []
+    for _ in range(120):
+        before = wd.walks
+        wd.observe(caches, last_output=lazy if backlog_at is not None else None)
+        if backlog_at is None and wd._fixer.backlog:
+            backlog_at = wd.steps
+        elif backlog_at is not None and wd.walks > before:
+            walks_after.append(wd.steps)
+        for c in caches:
+            c.step()
+        time.sleep(0.005)  # the decode's own time, which pays for the walks
+    assert backlog_at is not None  # the shares began
+    shares = -(-12 // (fix_module.FIX_NODES // 2000))
+    deadline = backlog_at + 2 * shares + 2 * max(fix_module.PROBE_STEPS)
+    # The step after the deadline drops the backlog; the walk it owes comes at the next.
+    assert walks_after and walks_after[0] <= deadline + 2, (backlog_at, deadline, walks_after)
+    assert walks_after[-1] > 60, walks_after  # and the schedule's walks go on, further apart as they age
 
 
 def test_resident_between_walks_follows_the_fix_sawtooth(counter):

@@ -112,8 +112,9 @@ class Fixer:
         self.last_step = 0
         self.fixed_once = False
         self.backlog = False  # a fix of long chains is under way, a share a step
-        self._backlog_nodes = 0.0  # pending nodes an array held as it began
+        self._backlog_take = 1  # arrays a share (about FIX_NODES nodes, as the walk saw them)
         self._backlog_next = 0  # where its next share starts, in the list of pending arrays
+        self._backlog_until = 0  # the last step its shares may take
         self._paths: list[tuple] | None = None  # every array's access steps, from the last walk
         self._pending_paths: list[tuple] | None = None  # (site, steps) of its pending arrays
         # Kept caches already cut: id -> (weak reference, its last forward's step). A kept cache
@@ -213,7 +214,9 @@ class Fixer:
         last output; one the budget cannot pay for (``affordable()``) waits, up to ``stretch``
         times ``every`` steps. The first of a series does not wait: the readings wait for it."""
         if self.backlog:
-            return self.probe is None and evaluated_output(last_output)
+            if step <= self._backlog_until:
+                return self.probe is None and evaluated_output(last_output)
+            self.backlog = False  # the shares could not run (no evaluated output): the walks go on
         gap = step - self.last_step
         if self.probe is not None or gap < self.every:
             return False
@@ -221,21 +224,26 @@ class Fixer:
             return False
         return evaluated_output(last_output)
 
-    def share(self, pending: list[mx.array], nodes_per_array: float | None, walked: bool) -> list[mx.array]:
+    def share(
+        self, pending: list[mx.array], nodes_per_array: float | None, walked: bool, step: int
+    ) -> list[mx.array]:
         """This step's share of the fix: all of ``pending``, unless its chains are long
         (``nodes_per_array``: as the last walk saw them, None when a fix ran since). Then about
         FIX_NODES nodes of it, the next arrays in ``pending``'s order, in a step that took no
         walk (none in this one); ``backlog`` says whether more are left for the next steps."""
+        take = max(1, int(FIX_NODES // max(nodes_per_array or 1.0, 1.0)))
         if not self.backlog:
             if nodes_per_array is None or nodes_per_array * len(pending) <= FIX_NODES:
                 return pending
-            self.backlog, self._backlog_nodes, self._backlog_next = True, nodes_per_array, 0
+            self.backlog, self._backlog_take, self._backlog_next = True, take, 0
+            # The walks wait for the shares, at most twice the steps they need (and a probe's).
+            self._backlog_until = step + 2 * -(-len(pending) // take) + 2 * max(PROBE_STEPS)
         if walked:
             return []
         # In the order the paths give them, a share after the other (a chain cut in an earlier
         # share is pending again by now, one step long: telling it from a long one needs a walk).
         first = self._backlog_next
-        self._backlog_next = last = first + max(1, int(FIX_NODES // max(self._backlog_nodes, 1.0)))
+        self._backlog_next = last = first + self._backlog_take
         self.backlog = last < len(pending)
         return pending[first:last]
 

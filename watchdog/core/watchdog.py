@@ -722,7 +722,7 @@ class Watchdog:
                 last = self._last
                 walked_since_fix = last.step > fixer.last_step or not fixer.fixed_once
                 nodes = last.pending_nodes / max(1, last.pending_arrays) if walked_since_fix else None
-                pending = fixer.share(pending, nodes, walked=walked_pending is not None)
+                pending = fixer.share(pending, nodes, walked=walked_pending is not None, step=step)
                 if not pending and fixer.backlog:  # postponed to a step that walks nothing
                     return
             # A server's kept caches: their chains, at the sites seen leaking while they stepped.
