@@ -71,11 +71,13 @@ test-mlx-lm-031: $(MLX_LM_031)/.installed
 
 # The servers users run (vllm-mlx, mlx-vlm's server), from PyPI, in an environment of their own
 # cached outside the clone (tests/peers/envs.py, ~/.cache/mlx-watchdog/peers), then their
-# end-to-end tests under `mlx-watchdog run`. A failed install fails under CI=true; elsewhere the
-# tests skip loudly.
+# end-to-end tests under `mlx-watchdog run`, and the check of mlx-vlm's own cache-evaluation
+# cadence against its source (the main run skips it where the environment is not built yet). A
+# failed install fails under CI=true; elsewhere the tests skip loudly.
 test-peers: $(STAMP)
 	$(PY) tests/peers/envs.py || [ "$$CI" != true ]
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_peers.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_peers.py \
+	    tests/test_sawtooth.py::test_the_cadence_reproduced_is_mlx_vlm_s_own
 
 # ruff (lint and format) and mypy, as configured in pyproject.toml. mypy reads the package through
 # .cache/typecheck, links that put exporters/ inside mlx_watchdog as the wheel does.
