@@ -231,10 +231,10 @@ class Fixer:
         (``nodes_per_array``: as the last walk saw them, None when a fix ran since). Then about
         FIX_NODES nodes of it, the next arrays in ``pending``'s order, in a step that took no
         walk (none in this one); ``backlog`` says whether more are left for the next steps."""
-        take = max(1, int(FIX_NODES // max(nodes_per_array or 1.0, 1.0)))
         if not self.backlog:
             if nodes_per_array is None or nodes_per_array * len(pending) <= FIX_NODES:
                 return pending
+            take = max(1, int(FIX_NODES // max(nodes_per_array, 1.0)))
             self.backlog, self._backlog_take, self._backlog_next = True, take, 0
             # The walks wait for the shares, at most twice the steps they need (and a probe's).
             self._backlog_until = step + 2 * -(-len(pending) // take) + 2 * max(PROBE_STEPS)
