@@ -519,11 +519,12 @@ class Watchdog:
             # A probe's second walk is taken whatever the budget: it must fit now, with this one.
             if self.fix and self._last.pending_nodes and fixer.wants_probe() and schedule.affordable(walks=2):
                 fixer.start_probe(step, self._growth.site_buffers())
-        if self.fix and fixer.due(step, last_output, schedule.fix_affordable, FIX_STRETCH):
+        if self.fix:
             backlog = fixer.backlog
-            self._fix(roots, walked_pending, step)
-            if backlog and not fixer.backlog:
-                schedule.owe_walk()  # the long chains are cut: the last reading is stale
+            if fixer.due(step, last_output, schedule.fix_affordable, FIX_STRETCH):
+                self._fix(roots, walked_pending, step)
+            if backlog and not fixer.backlog:  # the long chains are cut, or their shares gave up
+                schedule.owe_walk()  # either way the last reading is stale
         if self.stop_within is not None or self.warn_within is not None or self._coordinator is not None:
             self._act(roots, last_output, step)
 
