@@ -213,10 +213,13 @@ class Peer:
         started = time.monotonic()
 
         def client(i: int) -> None:
+            def ask() -> Reply:
+                return self.chat(model, prompts[i], stream=i % 2 == 1, max_tokens=max_tokens)
+
             try:
-                replies[i] = self.chat(model, prompts[i], stream=i % 2 == 1, max_tokens=max_tokens)
+                replies[i] = ask()
                 while time.monotonic() - started < min_seconds:
-                    more.append(self.chat(model, prompts[i], stream=i % 2 == 1, max_tokens=max_tokens))
+                    more.append(ask())
             except BaseException as exc:  # reported by the test
                 failures.append(exc)
 
