@@ -130,6 +130,14 @@ _SPECS = (
         ("site",),
     ),
     _Spec(
+        "mlx_watchdog_unattributed_buffers_per_step",
+        "gauge",
+        "Buffers per decode step the whole process grows beyond what the named leak sites add: a "
+        "leak outside the caches the watchdog reads (a server's own per-step outputs kept lazily, "
+        "a compiled function's entry per input shape). Read from a count of the whole process "
+        "(Watchdog(process_count=...)); 0 without one, NaN until measured.",
+    ),
+    _Spec(
         "mlx_watchdog_bounded_site_peak_buffers",
         "gauge",
         "Buffers a bounded site holds at its peak: a site whose chains the program itself cuts "
@@ -326,11 +334,12 @@ class WatchdogCollector:
         # What grows now: nothing while nothing steps (no alert pages for an idle server), and
         # nothing known before it was measured (NaN: no "0/step" that would read as no leak).
         if not f.rate_known:
-            per_step = steps_left = seconds_left = math.nan
+            per_step = steps_left = seconds_left = unattributed = math.nan
         elif not f.decoding:
-            per_step, steps_left, seconds_left = 0.0, math.inf, math.inf
+            per_step, steps_left, seconds_left, unattributed = 0.0, math.inf, math.inf, 0.0
         else:
             per_step, steps_left, seconds_left = f.buffers_per_step, f.steps_to_limit, f.seconds_to_limit
+            unattributed = f.unattributed_buffers_per_step
         rows: list[tuple[str, tuple, float]] = [
             ("mlx_watchdog_resident_buffers", base, f.resident_buffers),
             ("mlx_watchdog_peak_resident_buffers", base, f.peak_resident_buffers),
@@ -341,6 +350,7 @@ class WatchdogCollector:
             ("mlx_watchdog_rate_known", base, int(f.rate_known)),
             ("mlx_watchdog_decoding", base, int(f.decoding)),
             ("mlx_watchdog_pending_graph_nodes", base, f.pending_graph_nodes),
+            ("mlx_watchdog_unattributed_buffers_per_step", base, unattributed),
         ]
         rows += self._site_rows(wd, f, base)
         for name, reading in (

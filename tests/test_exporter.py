@@ -66,6 +66,7 @@ GAUGES = {
     "mlx_watchdog_pending_graph_nodes",
     "mlx_watchdog_leak_buffers_per_step",
     "mlx_watchdog_fixed_leak_buffers_per_step",
+    "mlx_watchdog_unattributed_buffers_per_step",
     "mlx_watchdog_folded_leak_sites",
     "mlx_watchdog_memory_active_bytes",
     "mlx_watchdog_memory_peak_bytes",

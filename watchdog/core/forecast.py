@@ -82,6 +82,12 @@ class Forecast:
     # The resident count at the sawtooth's peaks (resident_buffers plus what each site the program
     # cuts holds at its peak beyond now): steps_to_limit counts the headroom from it.
     peak_resident_buffers: int = 0
+    # With a count of the whole process (source "process", or MLX's own counter): the growth per
+    # step that no named site explains, buffers_per_step less the leaks' (a program object outside
+    # the caches read, a compiled function's cache). 0 without a count, or below the noise.
+    unattributed_buffers_per_step: float = 0.0
+    # Why the process-wide count is not read (None while it is): turned off, or its self-check failed.
+    process_count_off: str | None = None
 
     @property
     def limit_step(self) -> float:
@@ -89,16 +95,19 @@ class Forecast:
         return self.step + self.steps_to_limit
 
     def describe(self) -> str:
-        top = (
-            ", ".join(
-                f"{leak.site} +{leak.buffers_per_step:.3g}/step"
-                + (" (cut by the fix)" if leak.cut else "")
-                + (" (its peaks; the program cuts it now and then)" if leak.sawtooth else "")
-                + (f" [{leak.source}]" if leak.source else "")
-                for leak in self.leaks[:3]
+        sites = [
+            f"{leak.site} +{leak.buffers_per_step:.3g}/step"
+            + (" (cut by the fix)" if leak.cut else "")
+            + (" (its peaks; the program cuts it now and then)" if leak.sawtooth else "")
+            + (f" [{leak.source}]" if leak.source else "")
+            for leak in self.leaks[:3]
+        ]
+        if self.unattributed_buffers_per_step > 0:
+            sites.append(
+                f"unattributed +{self.unattributed_buffers_per_step:.3g}/step "
+                "(the process grows outside the caches read)"
             )
-            or "none"
-        )
+        top = ", ".join(sites) or "none"
         if not self.rate_known:
             return (
                 f"step {self.step}: {self.resident_buffers} of {self.limit} buffers, growth not measured yet"
@@ -122,6 +131,18 @@ class Forecast:
             f"step {self.step}: {self.resident_buffers}{peak} of {self.limit} buffers, "
             f"{self.buffers_per_step:+.3g}/step, {when}{idle}; leak sites: {top}{bounded}"
         )
+
+
+# Growth the named sites leave unexplained is reported from this many buffers per step: below it,
+# the difference of two robust slopes of the same readings is read as noise.
+UNATTRIBUTED_THRESHOLD = 0.05
+
+
+def unattributed_rate(rate: float, leaks: Sequence[Leak]) -> float:
+    """The whole process's growth per step less what the named sites add (the fix's cut sites
+    aside: the rate is what stays after the fix); 0 below ``UNATTRIBUTED_THRESHOLD``."""
+    rest = max(0.0, rate) - sum(leak.buffers_per_step for leak in leaks if not leak.cut)
+    return rest if rest >= UNATTRIBUTED_THRESHOLD else 0.0
 
 
 def _fmt(x: float) -> str:

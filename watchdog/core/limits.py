@@ -62,9 +62,10 @@ def find_buffer_counter() -> BufferCounter | None:
     return None
 
 
-def unseen_margin(counter: BufferCounter | None) -> int:
-    """Buffers the forecast keeps in reserve for what its count does not include: none with
-    MLX's counter (it counts buffers in flight) or off Metal (no buffer limit to reach there)."""
+def unseen_margin(counter: object | None) -> int:
+    """Buffers the forecast keeps in reserve for what its count does not include: none with a
+    count (MLX's counter, or the process count: both count buffers in flight) or off Metal (no
+    buffer limit to reach there)."""
     if counter is not None:
         return 0
     try:

@@ -73,6 +73,16 @@ def checked_bool(value: Any, label: str) -> bool:
     raise ValueError(f"{label} must be True or False, got {value!r}")
 
 
+def checked_process_count(value: Any, label: str = "process_count") -> bool | str:
+    """True, False (numpy's bools too) or "auto"."""
+    if isinstance(value, str) and value == "auto":
+        return "auto"
+    try:
+        return checked_bool(value, label)
+    except ValueError:
+        raise ValueError(f'{label} must be True, False or "auto", got {value!r}') from None
+
+
 def checked_name(value: Any, label: str = "name") -> str | None:
     if value is None or (isinstance(value, str) and value.strip()):
         return value

@@ -40,16 +40,19 @@ from .caches import KEPT_MARK, Scope, member_of
 from .coordination import Coordinator, launched, new_coordinator
 from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth, SiteTally
-from .limits import find_buffer_counter, resolve_limit, unseen_margin
+from .limits import BufferCounter, find_buffer_counter, resolve_limit, unseen_margin
 from .objects import type_name
 from .options import (
     checked_bool,
     checked_fraction,
     checked_name,
     checked_positive_int,
+    checked_process_count,
     checked_steps,
     checked_walk_interval,
 )
+from .process_count import ProcessCounter
+from .process_count import counter as process_counter
 from .rows import EVERY as ROWS_EVERY
 from .rows import RowsWatch
 from .sampling import Sampler, warm_up
@@ -146,6 +149,12 @@ class Watchdog:
             budget allows.
         export: publish this watchdog through the exporters (``start_metrics_server``).
         model: the watched model, to count its parameters as resident buffers.
+        process_count: read the growth of the whole process, not only of the caches walked, from
+            a count of MLX's live buffers kept at its allocator (``process_count.py``): growth the
+            named sites do not explain is reported as ``Forecast.unattributed_buffers_per_step``.
+            ``"auto"`` (default): on where its self-check passes; ``True``: the same, and a failure
+            is a warning; ``False``: off. Where MLX has a buffer counter of its own, that one is read
+            instead. When it is off, ``process_count_off`` says why.
     """
 
     def __init__(
@@ -164,10 +173,11 @@ class Watchdog:
         model: Any = None,
         max_objects: int = MAX_OBJECTS,
         max_depth: int = MAX_DEPTH,
+        process_count: bool | str = "auto",
     ):
         self.limit = resolve_limit(limit)
-        self._counter = find_buffer_counter()  # MLX's own count, where it has one (Metal)
-        self._unseen = unseen_margin(self._counter)
+        # MLX's own count, where it has one (Metal); else the process count (process_count.py)
+        self._counter: BufferCounter | ProcessCounter | None = find_buffer_counter()
         fix_every = checked_positive_int(fix_every, "fix_every")
         name = checked_name(name)
         fix = checked_bool(fix, "fix")
@@ -180,6 +190,14 @@ class Watchdog:
         walk_interval = checked_walk_interval(walk_interval)
         if on_forecast is not None and not callable(on_forecast):
             raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
+        process_count = checked_process_count(process_count)
+        # Why the process count is not read (None while it is): the counter, whoever's it is.
+        self.process_count_off: str | None = None
+        if self._counter is not None:
+            self.process_count_off = f"MLX's own counter is read ({self._counter.name})"
+        else:
+            self._counter, self.process_count_off = process_counter(process_count)
+        self._unseen = unseen_margin(self._counter)
         self._name = name  # None: "default", until an attachment names it after its model
         self.fix = fix
         self.warn_within = warn_within
@@ -389,7 +407,7 @@ class Watchdog:
         with self._lock:
             step = self.steps
             growth, last = self._growth, self._last
-            rate = growth.rate
+            rate = growth.rate + self._outside_rate()
             resident = self._resident_now(step)
             # A sawtooth comes back to its peak: the headroom is counted from there.
             peak = resident + growth.peak_excess
@@ -399,6 +417,11 @@ class Watchdog:
             step_rate = self._step_rate() if decoding else 0.0
             rank, world_size = self._ranks()
             guard = self._prefill_guard
+            leaks = self._attribution.annotate(growth.leaks)
+            # A count of the whole process: the growth no named site explains is shown, never hidden.
+            unattributed = self._outside_rate()
+            if isinstance(self._counter, BufferCounter) and growth.known:
+                unattributed = fc.unattributed_rate(rate, leaks)
             return fc.Forecast(
                 step=step,
                 resident_buffers=int(round(resident)),
@@ -406,9 +429,11 @@ class Watchdog:
                 buffers_per_step=max(0.0, rate),
                 steps_to_limit=stl,
                 seconds_to_limit=fc.seconds_from_steps(stl, step_rate),
-                leaks=self._attribution.annotate(growth.leaks),
+                leaks=leaks,
                 step_rate=step_rate,
                 source="estimate" if self._counter is None else self._counter.name,
+                unattributed_buffers_per_step=unattributed,
+                process_count_off=self.process_count_off,
                 parameter_buffers=self._parameter_buffers,
                 cache_buffers=last.cache_buffers,
                 retained_buffers=last.retained,
@@ -581,6 +606,8 @@ class Watchdog:
         fix-mode probe this reading ends."""
         self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
         t0, cpu0 = time.perf_counter(), graph.cpu_clock()
+        if isinstance(self._counter, ProcessCounter):
+            self._counter.mark()  # the reading is the lowest count over the walk (process_count.py)
         scope = self._scope
         others = scope.others() if roots is not None else scope.members()
         given = roots is not None
@@ -656,18 +683,20 @@ class Watchdog:
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers
         mlx_cached = 0
-        if self._counter is not None:  # MLX's own count: live buffers grow, cached ones are reserved
-            live, mlx_cached = self._counter.read()
-            resident = float(live)
-        else:
-            resident = self._parameter_buffers + cache_buffers + retained_buffers
+        resident = walked = self._parameter_buffers + cache_buffers + retained_buffers
+        counter = self._counter
+        if isinstance(counter, BufferCounter):  # MLX's own count: live buffers grow, cached ones are reserved
+            live, mlx_cached = counter.read()
+            resident = walked = float(live)
+        elif counter is not None:  # the process count: what it holds beyond the caches, and its growth
+            resident = counter.reading(step, walked)
         sample = None
         if found:  # an empty cache is no sample of growth
-            sample = resident
-            if self.fix and self._fixer.fixed_once and self._counter is None:
+            sample = walked
+            if self.fix and self._fixer.fixed_once and not isinstance(counter, BufferCounter):
                 # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
                 # rate): the growth to forecast is what it leaves behind.
-                sample = resident - retained_buffers + reading.pending_arrays
+                sample = walked - retained_buffers + reading.pending_arrays
                 kept_buffers += kept_pending - kept_retained
         # The first reading of a new decode pairs with no other (-1 is no epoch): see schedule.py.
         epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
@@ -774,7 +803,9 @@ class Watchdog:
         with self._lock:  # cheap arithmetic; the full Forecast only when a threshold is crossed
             growth = self._growth
             stl = fc.steps_to_limit(
-                self._resident_now(step) + growth.peak_excess + self._reserved(), self.limit, growth.rate
+                self._resident_now(step) + growth.peak_excess + self._reserved(),
+                self.limit,
+                growth.rate + self._outside_rate(),
             )
         coordinator = self._coordinator
         if coordinator is not None:
@@ -829,7 +860,7 @@ class Watchdog:
         with MLX's counter, read the count again. True when the reading changed."""
         try:
             mx.clear_cache()
-            if self._counter is None:
+            if not isinstance(self._counter, BufferCounter):  # the process count has no cache in it
                 return False
             live, cached = self._counter.read()
         except Exception as exc:
@@ -878,6 +909,7 @@ class Watchdog:
             )
         # The growth since goes on in the caches that live: with a cache gone, so is its share.
         growth = max(0.0, self._growth.rate) * (step - last.step) * gone.alive_share
+        growth += self._outside_rate() * (step - last.step)  # and outside them, in the process
         fixer, cut = self._fixer, self._growth.probed
         if self.fix and fixer.fixed_once and cut:
             # Between two fixes the chains it cuts grow back (a sawtooth, up to 4x fix_every steps
@@ -885,6 +917,11 @@ class Watchdog:
             # made them, against as high as they were at the reading.
             growth += cut * ((step - fixer.last_step) - (last.step - last.fixed_at)) * gone.alive_share
         return max(float(self._parameter_buffers), last.resident - gone.buffers + growth)
+
+    def _outside_rate(self) -> float:
+        """What the process grows a step outside the caches read (the process count's; else 0)."""
+        counter = self._counter
+        return counter.rate if isinstance(counter, ProcessCounter) else 0.0
 
     def _ranks(self) -> tuple[int, int]:
         coordinator = self._coordinator
