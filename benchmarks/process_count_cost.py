@@ -15,12 +15,11 @@ Three parts, each printing a markdown report (appended to ``--out`` when given):
 * ``noise``: a watched decode (``Watchdog(process_count=True)``) with a program object outside
   the cache that leaks two buffers a step (``history = concatenate([history, token])``,
   ``score = score + logprobs.max()``). At each walk, the watchdog's reading (no synchronize: the
-  lowest count since the end of the step before) against the exact count read right after it
-  (after ``mx.synchronize()``): their difference is constant where the reading has no noise;
-  its spread across walks is what a step still in flight adds. Also the growth of the product's
-  count and of the exact one after synchronize (they must agree), and the rate the watchdog read
-  against the exact count's. ``--reading instant`` reads the count at the walk instead (the
-  design this replaced), for comparison.
+  lowest count over the walk) against the exact count read right after it (after
+  ``mx.synchronize()``): their difference is constant where the reading has no noise; its spread
+  is what a step still computing adds. Also the growth of the two counts after synchronize (they
+  must agree), and the rate the watchdog read against the exact count's. ``--reading instant``
+  reads the count at one instant of the walk instead, for comparison.
 
     python benchmarks/process_count_cost.py alloc --rounds 40
     python benchmarks/process_count_cost.py decode --layers 8 --reps 3 --rounds 40 --chunk 32
@@ -202,34 +201,30 @@ def noise_part(args) -> None:
     from mlx_watchdog.tiny import build_model
 
     exact = exact_buffers.install()
-    if args.reading == "instant":  # the count at the instant of the reading: marked right before it
-        lowest = process_count.ProcessCounter.read
+    rows: list[tuple[int, int, float, int]] = []  # (step, the reading's raw count, walked, exact count)
+    reading = process_count.ProcessCounter.reading
 
-        def instant(self, estimate=None):
-            self.mark()
-            return lowest(self, estimate)
+    def recorded(self, step, walked):
+        resident = reading(self, step, walked)
+        rows.append((step, self.last_raw, walked, exact.live()))  # exact.live() synchronizes
+        return resident
 
-        process_count.ProcessCounter.read = instant  # type: ignore[method-assign]
+    process_count.ProcessCounter.reading = recorded  # type: ignore[method-assign]
+    if args.reading == "instant":  # the count at the instant of the reading: no interval
+        process_count.ProcessCounter.mark = lambda self: None  # type: ignore[method-assign]
     lines = [header(f"noise: the count read without synchronize ({args.reading}), at each walk")]
     lines.append(
-        "| layers | walks | reading - exact: spread (max - min) / IQR | counts' growth apart (after "
-        "synchronize) | rate read | exact rate |"
+        "| layers | walks | reading - exact: median, spread (max - min), IQR | readings above the "
+        "median by 3+ | counts' growth apart (after synchronize) | rate read | exact rate |"
     )
-    lines.append("|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|")
     for layers in args.layers:
         model = build_model("llama", layers=layers)
-        reader, why = process_count.counter(True)
-        if reader is None:
-            raise SystemExit(f"the process count is off: {why}")
-        rows: list[tuple[int, int, int, int]] = []
-
-        def at_walk(forecast, rows=rows, reader=reader):
-            if forecast.measured_step != forecast.step:
-                return
-            truth = exact.live()  # synchronizes
-            rows.append((forecast.step, forecast.resident_buffers, reader.raw(), truth))
-
-        wd = Watchdog(limit=10**6, export=False, process_count=True, on_forecast=at_walk)
+        rows.clear()
+        wd = Watchdog(limit=10**6, export=False, process_count=True)
+        if wd.process_count_off:
+            raise SystemExit(f"the process count is off: {wd.process_count_off}")
+        reader, _ = process_count.counter(True)
         watch_model(model, wd)
 
         class Scheduler:  # a server's own per-step outputs, kept lazily: +2 buffers a step
@@ -244,24 +239,26 @@ def noise_part(args) -> None:
         scheduler = Scheduler()
         cache = make_prompt_cache(model)
         marks = []
+        synced = []
         for i, (token, logprobs) in enumerate(
             generate_step(mx.array(list(range(1, 17))), model, prompt_cache=cache, max_tokens=args.steps)
         ):
             scheduler.step(token, logprobs)
             if i in (args.steps // 5, args.steps - 2):
                 marks.append((wd.steps, exact.live()))
+                synced.append((reader.raw(), marks[-1][1]))  # both after synchronize
         f = wd.forecast()
         unwatch_model(model)
-        offsets = [reading - truth for _, reading, _, truth in rows[1:]]  # the first reading anchors
-        print(layers, [(step, off) for (step, _, _, _), off in zip(rows[1:], offsets)], file=sys.stderr)
+        offsets = [raw - truth for _, raw, _, truth in rows]
+        median = statistics.median(offsets)
         q1, q3 = np.percentile(offsets, [25, 75])
-        (_, _, s0, t0) = rows[0]
-        apart = max(abs((synced - s0) - (truth - t0)) for _, _, synced, truth in rows)
+        spikes = sum(o >= median + 3 for o in offsets)
+        apart = abs((synced[1][0] - synced[0][0]) - (synced[1][1] - synced[0][1]))
         exact_rate = (marks[1][1] - marks[0][1]) / (marks[1][0] - marks[0][0])
         lines.append(
-            f"| {layers} | {len(rows)} | {max(offsets) - min(offsets)} / {q3 - q1:.1f} | "
-            f"{apart} | {f.buffers_per_step:.3f} (unattributed {f.unattributed_buffers_per_step:.3f}) | "
-            f"{exact_rate:.3f} |"
+            f"| {layers} | {len(rows)} | {median:+.0f}, {max(offsets) - min(offsets)}, {q3 - q1:.1f} | "
+            f"{spikes} | {apart} | {f.buffers_per_step:.3f} (unattributed {f.unattributed_buffers_per_step:.3f})"
+            f" | {exact_rate:.3f} |"
         )
     emit("\n".join(lines), args.out)
 

@@ -9,10 +9,17 @@ distributed tests' order of imports).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from support import exact_counter
+
+# The suite reads the walk of the caches alone unless a test asks for the process-wide count
+# (process_count=True, or this variable set to auto or on, in tests/test_process_count.py): many
+# tests keep an array a step of their own (tokens, log-probabilities to compare), which that count
+# reads, rightly, as growth. MLX_WATCHDOG_PROCESS_COUNT=auto make test runs them all with it.
+os.environ.setdefault("MLX_WATCHDOG_PROCESS_COUNT", "off")
 
 # The server tests' model: its folder's name is the watchdog's name in their metrics.
 SERVED_MODEL = "tiny-qwen3-next"

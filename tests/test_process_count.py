@@ -134,7 +134,8 @@ def test_without_the_count_the_same_leak_reads_no_growth(counter):
     assert forecasts[-1].process_count_off == "off (process_count=False)"
 
 
-def test_a_leak_free_decode_reads_no_growth(counter):
+def test_a_leak_free_decode_reads_no_growth(counter, monkeypatch):
+    monkeypatch.setenv(process_count.ENV, "auto")  # the default outside this suite (conftest.py)
     wd = Watchdog(limit=200_000, export=False)  # default: on where its self-check passes
     true_rate, forecasts = decode(counter, wd, leak=False)
     assert true_rate == pytest.approx(0.0, abs=0.01)
@@ -172,12 +173,17 @@ def test_a_compiled_function_s_entry_per_shape_is_read_as_unattributed(counter):
     assert f.unattributed_buffers_per_step == pytest.approx(true_rate, rel=0.15)
 
 
-def test_process_count_takes_true_false_or_auto():
+def test_process_count_takes_true_false_or_auto_and_auto_follows_the_environment(monkeypatch):
     for bad in ("yes", 1, None, "AUTO"):
         with pytest.raises(ValueError, match="process_count"):
             Watchdog(export=False, process_count=bad)
     off = Watchdog(export=False, process_count=False)
     assert off.process_count_off == "off (process_count=False)" and off.forecast().source == "estimate"
+    monkeypatch.setenv(process_count.ENV, "off")
+    assert Watchdog(export=False).process_count_off == f"off ({process_count.ENV}=off)"
+    assert Watchdog(export=False, process_count=True).forecast().source == "process"  # asked for: on
+    monkeypatch.setenv(process_count.ENV, "auto")
+    assert Watchdog(export=False).forecast().source == "process"
 
 
 FAILURE = textwrap.dedent(
@@ -219,7 +225,8 @@ FAILURE = textwrap.dedent(
     ],
 )
 def test_a_failed_self_check_turns_the_count_off_says_why_once_and_the_watchdog_works(tmp_path, how, reason):
-    env = dict(os.environ, MLX_WATCHDOG_CACHE_DIR=str(tmp_path / "cache"))  # nothing built yet
+    # Nothing built yet; "auto" is auto (the suite's conftest.py turns it off).
+    env = dict(os.environ, MLX_WATCHDOG_CACHE_DIR=str(tmp_path / "cache"), MLX_WATCHDOG_PROCESS_COUNT="auto")
     if how == "compiler":
         env["CC"] = "false"  # a compiler that fails
     proc = subprocess.run(

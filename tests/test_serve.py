@@ -298,6 +298,8 @@ def test_split_and_parse():
             "0.5",
             "--walk-interval",
             "2",
+            "--process-count",
+            "off",
             "--",
             "--model",
             "m",
@@ -329,6 +331,7 @@ def test_split_and_parse():
         "stop_within": 100.0,
         "overhead_budget": 0.5,
         "walk_interval": 2.0,
+        "process_count": False,
     }
 
     args, server_argv = serve.parse_args(["--no-fix", "--no-metrics"])
@@ -338,6 +341,7 @@ def test_split_and_parse():
     assert defaults.limit is None and defaults.stop_within is None and defaults.fix is False
     assert defaults.overhead_budget == 0.01 and defaults.adapt_prefill is False
     assert defaults.walk_interval is None  # auto
+    assert serve.watchdog_options(defaults)["process_count"] == "auto"
 
 
 @pytest.mark.parametrize(
@@ -351,6 +355,7 @@ def test_split_and_parse():
         (["--metrics-port", "70000"], "--metrics-port"),
         (["--overhead-budget", "0"], "--overhead-budget"),
         (["--walk-interval", "-1"], "--walk-interval"),
+        (["--process-count", "yes"], "--process-count"),
         (["--model", "m"], "after `--`"),
     ],
 )
@@ -371,6 +376,7 @@ def test_bad_namespace_values_raise_value_error():
         ("metrics_port", 99999),
         ("overhead_budget", 2.0),
         ("walk_interval", float("inf")),
+        ("process_count", "maybe"),
     ):
         args = argparse.Namespace(**dict(good, **{option: value}))
         with pytest.raises(ValueError, match="--" + option.replace("_", "-")):

@@ -61,6 +61,7 @@ OPTIONS = (
     "walk_interval",
     "max_objects",
     "max_depth",
+    "process_count",
 )
 
 OnWatch = Callable[[Any, Any], Any]  # on_watch(watched object, its watchdog)
@@ -354,6 +355,7 @@ def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
         "walk_interval": lambda v: bounds.checked_walk_interval(v),
         "max_objects": lambda v: bounds.checked_positive_int(v, "max_objects"),
         "max_depth": lambda v: bounds.checked_positive_int(v, "max_depth"),
+        "process_count": lambda v: bounds.checked_process_count(v),
     }
     for name, check in checks.items():
         if name in checked:

@@ -11,6 +11,7 @@ from ..core.options import (
     checked_fraction,
     checked_port,
     checked_positive_int,
+    checked_process_count,
     checked_steps,
     checked_walk_interval,
 )
@@ -35,9 +36,13 @@ def default_metrics_port() -> int:
         return DEFAULT_METRICS_PORT
 
 
+# --process-count's words, and the Watchdog's values for them.
+PROCESS_COUNT: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+
+
 def add_watchdog_arguments(group: Any, stop_help: str) -> None:
     """``--fix``, ``--fix-every``, ``--limit``, ``--warn-within``, ``--stop-within`` (``stop_help``
-    says what a stop does), ``--overhead-budget``, ``--walk-interval``."""
+    says what a stop does), ``--overhead-budget``, ``--walk-interval``, ``--process-count``."""
     group.add_argument(
         "--fix",
         action=argparse.BooleanOptionalAction,
@@ -84,6 +89,14 @@ def add_watchdog_arguments(group: Any, stop_help: str) -> None:
         help="seconds of decode between two graph walks once a decode's first walks "
         "are done (default: 0.5, or longer where walks are dear, so that they "
         "take 0.1%% of decode time; 0: as often as the budget allows)",
+    )
+    group.add_argument(
+        "--process-count",
+        choices=tuple(PROCESS_COUNT),
+        default="auto",
+        help="count MLX's live buffers in the whole process, at its allocator, so that a leak "
+        "outside the model's caches is read too (as unattributed growth): auto (default) where "
+        "its self-check passes, on (the same, a failure logged as a warning), off",
     )
 
 
@@ -170,4 +183,15 @@ def watchdog_options(args: argparse.Namespace) -> dict:
             get("overhead_budget", DEFAULTS["overhead_budget"]), "--overhead-budget"
         ),
         "walk_interval": interval,
+        "process_count": _process_count(get("process_count", "auto")),
     }
+
+
+def _process_count(value: Any) -> bool | str:
+    """--process-count's word (or, in a Namespace built without the parser, a Watchdog value)."""
+    if isinstance(value, str) and value in PROCESS_COUNT:
+        return PROCESS_COUNT[value]
+    try:
+        return checked_process_count(value, "--process-count")
+    except ValueError:
+        raise ValueError(f"--process-count must be one of auto, on, off, got {value!r}") from None

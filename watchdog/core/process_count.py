@@ -73,6 +73,7 @@ PROBE_ELEMENTS = 12_289  # float32: a 49,156-byte probe, a size nothing else is 
 SELF_TEST_TRIES = 5  # the count moves with other threads' work: a busy process may need a retry
 FREE_WAIT_SECONDS = 0.5  # MLX's worker may drop its last reference to the probe just after eval
 COMPILE_TIMEOUT = 60.0
+ENV = "MLX_WATCHDOG_PROCESS_COUNT"  # on, off or auto: what process_count="auto" does
 OUTSIDE_WINDOW = 64  # readings kept of what the process holds beyond the caches
 OUTSIDE_READINGS = 4  # its growth is read from this many readings...
 OUTSIDE_SPAN = 16  # ...spanning this many steps
@@ -98,6 +99,7 @@ class ProcessCounter:
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
         self._marked = False
+        self.last_raw = 0  # the raw count of the last reading
         self._origin: float | None = None  # beyond the walk at the first reading
         self.outside: collections.deque[tuple[int, float]] = collections.deque(maxlen=OUTSIDE_WINDOW)
         self.rate = 0.0  # buffers per step the process grows outside the caches read
@@ -114,7 +116,7 @@ class ProcessCounter:
     def reading(self, step: int, walked: float) -> float:
         """One reading at a walk of ``step`` that counted ``walked`` buffers: the buffers of the
         process, never fewer than ``walked`` (the walk's arrays are alive), and ``rate`` updated."""
-        raw = int(self._lib.low() if self._marked else self._lib.live())
+        raw = self.last_raw = int(self._lib.low() if self._marked else self._lib.live())
         self._marked = False
         beyond = raw - walked
         if self._origin is None:
@@ -154,8 +156,15 @@ def outside_rate(readings: Sequence[tuple[int, float]]) -> float:
 
 def counter(mode: bool | str = "auto") -> tuple[ProcessCounter | None, str | None]:
     """A reader of the process count, or None and why not. ``mode``: ``True`` (wanted: a failure
-    is logged as a warning), ``"auto"`` (on where the self-check passes; a failure is logged at
-    info level) or ``False`` (off). Never raises."""
+    is logged as a warning), ``"auto"`` (as ``$MLX_WATCHDOG_PROCESS_COUNT`` says: on, off, or by
+    default auto: on where the self-check passes, a failure logged at info level) or ``False``
+    (off). Never raises."""
+    if mode == "auto":
+        setting = os.environ.get(ENV, "auto").strip().lower()
+        if setting in ("off", "0", "false", "no"):
+            return None, f"off ({ENV}={os.environ[ENV]})"
+        if setting in ("on", "1", "true", "yes"):
+            mode = True
     if mode is False:
         return None, "off (process_count=False)"
     with _lock:
