@@ -180,3 +180,24 @@ def test_scrape_pause_benchmark_runs():
     results = json.loads(text)
     assert results["paired"]["step_median_ms"] > 0 and results["blocks"] and results["gil_probe"]
     assert "ArraysCache.left_padding" in results["forecast_at_end"]  # the leak was live while it scraped
+
+
+def test_process_count_cost_benchmark_runs(tmp_path):
+    """Its three parts at their smallest, in a process of their own (they put hooks in and take
+    them out of MLX's allocator): the tables come out, and the noise part reads the +2 leak."""
+    out = tmp_path / "process_count.md"
+    script = os.path.join(BENCHMARKS, "process_count_cost.py")
+    for part in (
+        ["alloc", "--rounds", "2", "--calls", "2000"],
+        ["decode", "--layers", "2", "--reps", "1", "--rounds", "2", "--chunk", "4"],
+        ["noise", "--layers", "2", "--steps", "200"],
+    ):
+        proc = subprocess.run(
+            [sys.executable, script, *part, "--out", str(out)], capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert "| `count` |" in text and "| `set` |" in text  # alloc
+    assert "| `count` | CPU (all threads) |" in text  # decode
+    noise = [line for line in text.splitlines() if line.startswith("| 2 |")]
+    assert len(noise) == 1 and noise[0].endswith("| 2.000 |"), noise  # the exact rate: the two chains
