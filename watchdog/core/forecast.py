@@ -83,8 +83,8 @@ class Forecast:
     # cuts holds at its peak beyond now): steps_to_limit counts the headroom from it.
     peak_resident_buffers: int = 0
     # With a count of the whole process (source "process", or MLX's own counter): the growth per
-    # step that no named site explains, buffers_per_step less the leaks' (a program object outside
-    # the caches read, a compiled function's cache). 0 without a count, or below the noise.
+    # step that no named site explains (a program object outside the caches read, a compiled
+    # function's cache), included in buffers_per_step. 0 without a count, or within the noise.
     unattributed_buffers_per_step: float = 0.0
     # Why the process-wide count is not read (None while it is): turned off, or its self-check failed.
     process_count_off: str | None = None

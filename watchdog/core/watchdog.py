@@ -152,9 +152,10 @@ class Watchdog:
         process_count: read the growth of the whole process, not only of the caches walked, from
             a count of MLX's live buffers kept at its allocator (``process_count.py``): growth the
             named sites do not explain is reported as ``Forecast.unattributed_buffers_per_step``.
-            ``"auto"`` (default): on where its self-check passes; ``True``: the same, and a failure
-            is a warning; ``False``: off. Where MLX has a buffer counter of its own, that one is read
-            instead. When it is off, ``process_count_off`` says why.
+            ``"auto"`` (default): as ``$MLX_WATCHDOG_PROCESS_COUNT`` says (on, off; unset or auto:
+            on where its self-check passes); ``True``: on where its self-check passes, a failure
+            logged as a warning; ``False``: off. Where MLX has a buffer counter of its own, that one
+            is read instead. When it is off, ``process_count_off`` says why.
     """
 
     def __init__(
