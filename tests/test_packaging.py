@@ -28,7 +28,7 @@ NOT_SOURCE = shutil.ignore_patterns(
 def _installed_names() -> set[str]:
     """The files the wheel must hold, named as installed: watchdog/X -> mlx_watchdog/X,
     exporters/X -> mlx_watchdog/exporters/X."""
-    names = {"mlx_watchdog/py.typed"}
+    names = {"mlx_watchdog/py.typed", "mlx_watchdog/core/process_count.c"}  # the C source the count builds
     for folder, package in (("watchdog", "mlx_watchdog"), ("exporters", "mlx_watchdog/exporters")):
         for path in (ROOT / folder).rglob("*.py"):
             names.add(f"{package}/{path.relative_to(ROOT / folder).as_posix()}")
