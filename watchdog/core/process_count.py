@@ -74,9 +74,17 @@ SELF_TEST_TRIES = 5  # the count moves with other threads' work: a busy process 
 FREE_WAIT_SECONDS = 0.5  # MLX's worker may drop its last reference to the probe just after eval
 COMPILE_TIMEOUT = 60.0
 ENV = "MLX_WATCHDOG_PROCESS_COUNT"  # on, off or auto: what process_count="auto" does
-OUTSIDE_WINDOW = 64  # readings kept of what the process holds beyond the caches
-OUTSIDE_READINGS = 4  # its growth is read from this many readings...
-OUTSIDE_SPAN = 16  # ...spanning this many steps
+# Readings kept of what the process holds beyond the caches (as many as the growth fit keeps): a
+# leak that starts is read once it has grown over half of their steps.
+OUTSIDE_WINDOW = 64
+OUTSIDE_READINGS = 5  # its growth is read from this many readings (two in each half of their steps)...
+OUTSIDE_SPAN = 48  # ...spanning this many steps: a busy machine's spikes can last a few dense readings
+# A decode's first steps make a few buffers once (its first tokens, the sampler's state): readings
+# of the steps just after the first are left out of the growth.
+OUTSIDE_SETTLE = 8
+OUTSIDE_RISE = (
+    4  # buffers its floor must rise by over each half of them at least (a decode's start makes a few)
+)
 LEVEL_READINGS = 3  # what it holds now: the lowest of the last readings
 
 _lock = threading.Lock()
@@ -101,7 +109,10 @@ class ProcessCounter:
         self._marked = False
         self.last_raw = 0  # the raw count of the last reading
         self._origin: float | None = None  # beyond the walk at the first reading
+        self._first_step = 0
         self.outside: collections.deque[tuple[int, float]] = collections.deque(maxlen=OUTSIDE_WINDOW)
+        # The highest spike above the floor each reading saw (noise, for the readings after it).
+        self.spikes: collections.deque[float] = collections.deque(maxlen=2 * OUTSIDE_WINDOW)
         self.rate = 0.0  # buffers per step the process grows outside the caches read
 
     def raw(self) -> int:
@@ -120,38 +131,81 @@ class ProcessCounter:
         self._marked = False
         beyond = raw - walked
         if self._origin is None:
-            self._origin = beyond
-        self.outside.append((step, beyond - self._origin))
-        self.rate = outside_rate(self.outside)
+            self._origin, self._first_step = beyond, step
+        if step - self._first_step >= OUTSIDE_SETTLE or not self.outside:
+            self.outside.append((step, beyond - self._origin))
+        self.rate, spike = outside_rate(self.outside, max(self.spikes, default=0.0))
+        self.spikes.append(spike)
         # A spike of temporaries in the latest reading is not held: the lowest of the last few.
         level = min(value for _, value in list(self.outside)[-LEVEL_READINGS:])
         return walked + max(0.0, level)
 
 
-def outside_rate(readings: Sequence[tuple[int, float]]) -> float:
+def outside_rate(readings: Sequence[tuple[int, float]], noise: float = 0.0) -> tuple[float, float]:
     """The growth per step of ``(step, buffers)`` readings whose noise only adds (temporaries of a
-    step in flight): each reading is replaced by the lowest at or after it (a growing count never
-    falls back; a spike does), the last one left out (nothing after it says whether it is a
-    spike), then the robust slope, cut at a level shift (a one-off allocation is no growth:
-    ``forecast.epoch_slope``). 0 before ``OUTSIDE_READINGS`` readings spanning ``OUTSIDE_SPAN``
-    steps, below ``forecast.UNATTRIBUTED_THRESHOLD``, or while the line rises over the readings'
-    span less than they spread about it (spikes as high as the growth so far)."""
-    readings = list(readings)
-    if len(readings) < OUTSIDE_READINGS + 1 or readings[-2][0] - readings[0][0] < OUTSIDE_SPAN:
+    step in flight, now and then, sometimes for several readings in a row on a busy machine), and
+    the highest spike above their floor. The rate is the slope of their floor (``floor_slope``),
+    which a spike does not raise, the last reading left out (nothing after it says whether it is
+    one). Growth when the floor, over all the readings and over each half of their steps, rises by
+    ``forecast.UNATTRIBUTED_THRESHOLD`` a step or more, in each half by more than twice the highest
+    spike seen (here, or ``noise``: seen before) and ``OUTSIDE_RISE`` buffers at least: a one-off
+    allocation (a jump, flat on either side; a few buffers as a decode starts) or a run of spikes is
+    none. 0 before ``OUTSIDE_READINGS`` readings spanning ``OUTSIDE_SPAN`` steps."""
+    points = sorted(dict(sorted(readings, key=lambda p: -p[1])).items())  # one per step, its lowest
+    if len(points) < 2:
+        return 0.0, 0.0
+    hull = lower_hull(points)
+    spike = max(y - floor_at(hull, x) for x, y in points)
+    if len(points) < OUTSIDE_READINGS or points[-1][0] - points[0][0] < OUTSIDE_SPAN:
+        return 0.0, spike
+    # Halves of the steps (the first readings are dense), sharing the reading nearest the middle.
+    middle = (points[0][0] + points[-1][0]) / 2
+    k = max(i for i, (step, _) in enumerate(points) if step <= middle)
+    halves = (points[: k + 1], points[k:])
+    if min(len(half) for half in halves) < 2 or floor_slope(points, hull) < fc.UNATTRIBUTED_THRESHOLD:
+        return 0.0, spike
+    for half in halves:
+        rate = floor_slope(half, lower_hull(half))
+        rise = rate * (half[-1][0] - half[0][0])
+        if rate < fc.UNATTRIBUTED_THRESHOLD or rise <= max(OUTSIDE_RISE, 2 * max(noise, spike)):
+            return 0.0, spike
+    verified = points[:-1]
+    rate = floor_slope(verified, lower_hull(verified))
+    return (rate if rate >= fc.UNATTRIBUTED_THRESHOLD else 0.0), spike
+
+
+def lower_hull(points: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The lower convex hull of ``(step, value)`` points, steps increasing: the floor under them."""
+    hull: list[tuple[int, float]] = []
+    for x, y in points:
+        while len(hull) >= 2:
+            (x0, y0), (x1, y1) = hull[-2], hull[-1]
+            if (x1 - x0) * (y - y0) - (y1 - y0) * (x - x0) > 0:  # a left turn: (x1, y1) stays
+                break
+            hull.pop()
+        hull.append((x, y))
+    return hull
+
+
+def floor_at(hull: Sequence[tuple[int, float]], x: float) -> float:
+    """The floor's value at step ``x`` (within the hull's steps)."""
+    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return hull[0][1]
+
+
+def floor_slope(points: Sequence[tuple[int, float]], hull: Sequence[tuple[int, float]]) -> float:
+    """The slope of the floor (``hull``, ``lower_hull(points)``) at the middle step of ``points``.
+    A spike lies above the floor, except at either end, where every point is on it: a spike at the
+    end steepens the last edge, one at the start flattens the first. So where the middle is a
+    corner of the hull, the flatter of its two edges."""
+    if len(hull) < 2:
         return 0.0
-    lows: list[tuple[int, float, int]] = []
-    lowest = readings[-1][1]
-    for step, value in reversed(readings[:-1]):
-        lowest = min(lowest, value)
-        lows.append((step, lowest, 0))
-    lows.reverse()
-    rate = fc.epoch_slope(lows) or 0.0
-    if rate < fc.UNATTRIBUTED_THRESHOLD:
-        return 0.0
-    # Growth, not noise: over the readings' span the line rises more than they spread about it.
-    residuals = [value - rate * step for step, value in readings]
-    rises = rate * (readings[-1][0] - readings[0][0]) > max(residuals) - min(residuals)
-    return rate if rises else 0.0
+    middle = (points[0][0] + points[-1][0]) / 2
+    slopes = [(y1 - y0) / (x1 - x0) for (x0, y0), (x1, y1) in zip(hull, hull[1:])]
+    at = [k for k, ((x0, _), (x1, _)) in enumerate(zip(hull, hull[1:])) if x0 <= middle <= x1]
+    return min(slopes[k] for k in at)
 
 
 def counter(mode: bool | str = "auto") -> tuple[ProcessCounter | None, str | None]:
