@@ -613,7 +613,9 @@ class Watchdog:
         owners = [(members[f.root], f.steps) if f.root else member_of(roots, f.steps) for f in found]
         if given:
             self._rows.arm(found, self._epoch)
-        reading = self._sampler.read(found, step, root_keys, [(id(m), steps_key(rest)) for m, rest in owners])
+        keys = [(id(m), steps_key(rest)) for m, rest in owners]
+        reading = self._sampler.read(found, step, root_keys, keys)
+        walked_now = reading.walked_indices
         pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
         self._fixer.remember_paths(found, pending)
 
@@ -624,7 +626,9 @@ class Watchdog:
         # id of a pending array of a cache other than the roots' -> what its graph holds: what
         # the fix frees when it cuts it in a kept cache
         held_by_others: dict[int, float] = {}
-        for f, (member, _), done, retained in zip(found, owners, reading.evaluated, reading.retained):
+        for index, (f, (member, _), key, done, retained) in enumerate(
+            zip(found, owners, keys, reading.evaluated, reading.retained)
+        ):
             if f.root and not done:
                 held_by_others[id(f.array)] = retained
             if kept[f.root]:
@@ -641,6 +645,9 @@ class Watchdog:
             if site is None:
                 site = sites[f.site] = SiteTally()
             site.arrays += 1
+            site.chains.append(
+                (key, cache.ref, 0.0 if done else retained, walked_now is None or index in walked_now)
+            )
             if done:
                 cache.buffers += 1
                 site.held += 1
@@ -650,7 +657,7 @@ class Watchdog:
                 site.retained += retained
                 if retained and len(site.paths) < MAX_PATHS_PER_SITE:
                     site.paths.append(f.path)
-        del members, owners
+        del members, owners, keys
         self._fixer.remember_kept(held_by_others)
 
         cache_buffers = reading.evaluated_arrays
@@ -680,7 +687,6 @@ class Watchdog:
                 sample,
                 probe,
                 fixing,
-                reading.sampled,
                 kept=kept_buffers if found else None,
                 kept_since=kept_since,
             )
