@@ -25,8 +25,8 @@ class Leak:
     # Where the program rebinds the attribute, found once by a short probe (attribution.py):
     # "mlx_lm/models/cache.py:685 ArraysCache.advance"; None until found (or not findable).
     source: str | None = None
-    # The program itself cuts this site's chains now and then (a sawtooth), and its peaks grow:
-    # buffers_per_step is the growth of the peaks, not of a chain between two cuts.
+    # The program itself cuts some of this site's chains now and then (a sawtooth), and the rest
+    # grows: buffers_per_step is the growth of what it never cuts, not of a chain between two cuts.
     sawtooth: bool = False
 
 

@@ -29,10 +29,10 @@ import math
 import statistics
 
 DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into a new decode that are walked
-# After them, walks owed at steps counted from the decode's start, each BEAT_RATIO times the last
-# (96, 144, 216, ...): a sawtooth of period P (a program that evaluates its caches every P steps)
-# is seen cut by two of them within 1.5 P steps, whatever the machine's speed, at a cost that
-# grows with the log of the steps. Walks by decode time come on top.
+# After them, walks at steps counted from the decode's start, each BEAT_RATIO times the last (96,
+# 144, 216, ...), first in the budget: a sawtooth of period P (a program that evaluates its caches
+# every P steps) is seen cut by two of them within 1.5 P steps, whatever the machine's speed, at a
+# cost that grows with the log of the steps. Walks by decode time come on top.
 FIRST_BEAT = 96
 BEAT_RATIO = 1.5
 # Walks of a new decode taken even when the budget is spent now (they are charged, and the routine
@@ -73,7 +73,7 @@ COST_WINDOW = 5
 
 
 class Schedule:
-    def __init__(self, overhead_budget: float, walk_interval: float | None) -> None:
+    def __init__(self, overhead_budget: float, walk_interval: float | None, beats: bool = True) -> None:
         self.overhead_budget = overhead_budget
         self.walk_interval = walk_interval
         self.decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
@@ -92,8 +92,11 @@ class Schedule:
         self._owed_offsets: tuple[int, ...] = OWED_OFFSETS  # the epoch's walks owed whatever the budget
         self._owed = len(OWED_OFFSETS)  # index into _owed_offsets of the next one
         self._owed_next = False  # a walk owed at the next step (owe_walk)
+        # The walks at steps counted from the decode's start (not in fix mode: the fix cuts the
+        # chains itself, and its probes measure what it cuts).
+        self._first_beat: float = FIRST_BEAT if beats else math.inf
         self._decode_start = 0  # the step the decode began at (its first epoch's)
-        self._beat = FIRST_BEAT  # the next walk owed, as steps into the decode
+        self._beat = self._first_beat  # the next, as steps into the decode
         # Below both, no walk is wanted and due() is False: observe() skips the call (it runs on
         # every step, after the forward has left the CPU's caches cold; see Watchdog._observe).
         # wake_decode is the decode time of the last walk plus the gap to the next.
@@ -122,7 +125,7 @@ class Schedule:
         self._continuing = continuing
         self._owed = 0
         if not continuing:
-            self._decode_start, self._beat = step, FIRST_BEAT
+            self._decode_start, self._beat = step, self._first_beat
             self._offsets, self._owed_offsets = DENSE_OFFSETS, OWED_OFFSETS
         else:
             self._owed_offsets = (
@@ -137,12 +140,10 @@ class Schedule:
         (the walk is routine). (Every step: kept cheap.)"""
         offset = step - self._epoch_start
         owed = self._owed_offsets
-        if (
-            self._owed_next
-            or (self._owed < len(owed) and offset >= owed[self._owed])
-            or step - self._decode_start >= self._beat
-        ):
+        if self._owed_next or (self._owed < len(owed) and offset >= owed[self._owed]):
             return True
+        if step - self._decode_start >= self._beat:  # first in the budget, as a new decode's walks
+            return self.affordable()
         wanted = (
             self._next < len(self._offsets) and offset >= self._offsets[self._next]
         ) or self.decode_seconds >= self.wake_decode

@@ -212,7 +212,7 @@ class Watchdog:
         self._step_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=SAMPLE_WINDOW)
         self._pace_before_pause = 0.0  # seconds per step before the last pause (_seconds_per_step)
         self._scope = Scope()
-        self._schedule = Schedule(overhead_budget, walk_interval)
+        self._schedule = Schedule(overhead_budget, walk_interval, beats=not fix)
         self._sampler = Sampler()
         self._epoch = 0
         self._epoch_version = -1
