@@ -6,10 +6,9 @@ as ``observe()`` drives the schedule (a walk whenever one is due), with new epoc
 and spent budgets thrown in: at every step, ``due`` is asked whatever the marks say, and must
 never be True while the marks are not reached."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from mlx_watchdog.core.schedule import BEAT_RATIO, FIRST_BEAT, Schedule
 
