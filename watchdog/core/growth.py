@@ -102,7 +102,8 @@ class Chain:
         self.retained, self.step, self.walked = retained, step, walked
         self.top = max(self.top, retained)
         self.readings += 1
-        self.history[step] = retained
+        if retained:  # (none: what it retained at a step not in it)
+            self.history[step] = retained
         return cut
 
     def overdue(self, step: int, retained: float) -> bool:
@@ -142,20 +143,25 @@ class SiteSeries:
         """One reading (not fixing): each array's chain, a cut where what it retains fell.
         ``since``: the oldest step the growth window still holds (older history is dropped)."""
         chains = self.chains
-        uncut: list[Chain] = []  # read before and walked now, not cut
+        uncut: list[Chain] = []  # read before, and grown since
         cut = False
         for key, ref, retained, walked in tally.chains:
             chain = chains.get(key)
             if chain is None or chain.ref is not ref:  # a new array, or another cache at that id
+                if not retained:  # an evaluated array (most of them): no chain to follow yet
+                    chains.pop(key, None)
+                    continue
                 chains[key] = chain = Chain(ref, retained, step, step)
                 chain.read(step, retained, walked)
-            elif chain.read(step, retained, walked):
+                continue
+            before = chain.retained
+            if chain.read(step, retained, walked):
                 cut = True
                 self.longest = max(self.longest, chain.longest)
                 self.peak = max(self.peak, chain.peak)
-            elif walked:
+            elif walked and retained > before:
                 uncut.append(chain)
-        if cut:  # the program cut some of the site's chains, not these: they grow for good
+        if cut:  # the program cut some of the site's chains while these grew: it does not cut them
             for chain in uncut:
                 chain.survived = True
         for key in [key for key, chain in chains.items() if chain.step < since]:
@@ -288,7 +294,7 @@ class Growth:
                 series.total.append((step, buffers, epoch))
                 if fixing:
                     series.forget_chains()
-                else:
+                elif not kept_site(site):  # kept caches no longer step: no chain of theirs grows
                     since = min(series.total[0][0], self.samples[0][0] if self.samples else step)
                     series.read_chains(step, tally, since)
             series.arrays.append((step, tally.arrays, epoch))

@@ -646,7 +646,7 @@ class Watchdog:
                 site = sites[f.site] = SiteTally()
             site.arrays += 1
             site.chains.append(
-                (key, cache.ref, 0.0 if done else retained, walked_now is None or index in walked_now)
+                (key, cache.ref, 0.0 if done else retained, done or walked_now is None or index in walked_now)
             )
             if done:
                 cache.buffers += 1
