@@ -1,6 +1,6 @@
 """Helpers shared by the tests: free ports, required system binaries (Prometheus, promtool,
 Alertmanager), starting and stopping those servers, small HTTP / PromQL clients, the exact
-live-buffer counter and a batched decode.
+live-buffer counter, a batched decode and a fake clock for the watchdog.
 
 Policy for missing binaries: locally a test that needs one skips with a loud reason (printed to
 stderr and raised as a warning); under CI=true it fails, so CI never passes by skipping.
@@ -37,6 +37,40 @@ _PACKAGES = {
     "prometheus-alertmanager": "prometheus-alertmanager",
     "alertmanager": "prometheus-alertmanager",
 }
+
+
+# --------------------------------------------------------------------------- the watchdog's time
+
+
+class FakeClock:
+    """All the time the watchdog sees (``mlx_watchdog.core.clock``: wall and CPU), moved by the
+    test alone: what the watchdog decides from time (when to walk, what fits its budget, how much
+    a reading walks, its own time) is then the same on any machine, at any load.
+
+    ``now`` is the wall clock, ``cpu_now`` the CPU time of every thread. ``work(s)`` moves both
+    (the watchdog working); moving ``now`` alone is time that does no work for it (the decode, a
+    wait for a core)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+        self.cpu_now = 0.0
+
+    def wall(self) -> float:
+        return self.now
+
+    def cpu(self) -> float:
+        return self.cpu_now
+
+    def work(self, seconds: float) -> None:
+        self.now += seconds
+        self.cpu_now += seconds
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+        from mlx_watchdog.core import clock
+
+        monkeypatch.setattr(clock, "wall", self.wall)
+        monkeypatch.setattr(clock, "cpu", self.cpu)
+        return self
 
 
 # --------------------------------------------------------------------------- ports
