@@ -21,8 +21,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,6 +72,39 @@ class FakeClock:
         monkeypatch.setattr(clock, "wall", self.wall)
         monkeypatch.setattr(clock, "cpu", self.cpu)
         return self
+
+    def step_each_observe(self, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+        """Every ``Watchdog.observe`` call (from any attachment point) comes ``seconds`` after the
+        last: a real decode's steps, each as long on any machine."""
+        from mlx_watchdog.core.watchdog import Watchdog
+
+        real_observe = Watchdog.observe
+
+        def observe(wd, *args, **kwargs):
+            self.now += seconds
+            return real_observe(wd, *args, **kwargs)
+
+        monkeypatch.setattr(Watchdog, "observe", observe)
+
+    def charge_walks(
+        self, monkeypatch: pytest.MonkeyPatch, cost: Callable[[Any], float], wall: float = 1.0
+    ) -> None:
+        """Each walk of the graph (``sampling.account``) works ``cost(reading)`` CPU seconds and
+        takes ``wall`` times that on the wall clock: 1, a core of its own; more, it waited for
+        one (beside busy processes on 2 cores: up to 3.9 measured); 0, the walks seem free to the
+        schedule, and only the sampler sees their cost."""
+        from mlx_watchdog.core import sampling
+
+        real_account = sampling.account
+
+        def costly_account(arrays, **options):
+            reading = real_account(arrays, **options)
+            work = cost(reading)
+            self.cpu_now += work
+            self.now += wall * work
+            return reading
+
+        monkeypatch.setattr(sampling, "account", costly_account)
 
 
 # --------------------------------------------------------------------------- ports

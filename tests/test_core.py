@@ -44,10 +44,14 @@ def test_scalar_chain_grows_exactly_one_buffer_per_step():
     assert f.pending_graph_nodes >= 59
 
 
-def test_forecast_at_one_percent_predicts_the_crossing_step_within_one_percent():
+def test_forecast_at_one_percent_predicts_the_crossing_step_within_one_percent(monkeypatch, fake_clock):
     limit = 3000
     cache = ScalarCache()
-    wd = Watchdog(limit=limit)  # default sampling budget
+    # Default options on a decode of 64 steps a second, each walk costing 2 us a node: the walks
+    # are the schedule's on any machine.
+    fake_clock.step_each_observe(monkeypatch, STEP)
+    fake_clock.charge_walks(monkeypatch, lambda reading: 2e-6 * (reading.pending_nodes + 100))
+    wd = Watchdog(limit=limit)
     predicted = None
     crossing = None
     for step in range(1, 2 * limit):
@@ -225,8 +229,10 @@ def test_materialize_cuts_pending_chains():
     assert account([cache.countdown]).retained_buffers == 0
 
 
-def test_walk_cost_is_budgeted_as_graphs_grow():
+def test_walk_cost_is_budgeted_as_graphs_grow(monkeypatch, fake_clock):
     cache = ScalarCache()
+    fake_clock.step_each_observe(monkeypatch, STEP)
+    fake_clock.charge_walks(monkeypatch, lambda reading: 2e-6 * (reading.pending_nodes + 100))
     wd = Watchdog(limit=10**6, overhead_budget=0.01, walk_interval=0)
     for _ in range(3000):
         wd.observe(cache)
@@ -252,20 +258,6 @@ def fake_decode(wd, cache, clock, steps):
     return walked_at
 
 
-def charge_walks(monkeypatch, clock, cost):
-    """Make each walk take ``cost(reading)`` seconds of work on the fake clock (wall and CPU)."""
-    from mlx_watchdog.core import sampling
-
-    real_account = sampling.account
-
-    def costly_account(arrays, **options):
-        reading = real_account(arrays, **options)
-        clock.work(cost(reading))
-        return reading
-
-    monkeypatch.setattr(sampling, "account", costly_account)
-
-
 def test_walks_are_dense_as_an_epoch_starts_then_one_per_walk_interval(fake_clock):
     clock = fake_clock
     cache = ScalarCache()
@@ -289,8 +281,8 @@ def test_walks_stay_within_the_budget_when_a_leak_is_left_unfixed(monkeypatch, f
     # by the end one walk costs more than a second of decode. The watchdog's own time must
     # still come to at most overhead_budget of the decode, amortized; the credit is no bonus.
     clock = fake_clock
-    charge_walks(
-        monkeypatch, clock, lambda reading: 2e-5 * (reading.pending_nodes + reading.retained_buffers + 100)
+    clock.charge_walks(
+        monkeypatch, lambda reading: 2e-5 * (reading.pending_nodes + reading.retained_buffers + 100)
     )
     cache = ScalarCache()
     wd = Watchdog(limit=10**6, export=False, overhead_budget=0.01, walk_interval=0)
@@ -310,7 +302,7 @@ def test_walks_stay_within_the_budget_when_a_leak_is_left_unfixed(monkeypatch, f
 def test_dear_walks_are_spaced_to_a_thousandth_of_decode_time(monkeypatch, fake_clock):
     # The default walk_interval (None): 0.5 s, or longer when one walk costs more than 0.5 ms.
     clock = fake_clock
-    charge_walks(monkeypatch, clock, lambda reading: 2**-8)  # 3.9 ms: 3.9 s apart is 0.1% of decode
+    clock.charge_walks(monkeypatch, lambda reading: 2**-8)  # 3.9 ms: 3.9 s apart is 0.1% of decode
     wd = Watchdog(limit=10**6, export=False)
     walked_at = fake_decode(wd, ScalarCache(), clock, 3000)
     later = walked_at[len(schedule.DENSE_OFFSETS) + 1 :]
@@ -352,7 +344,7 @@ def test_many_short_decodes_share_one_budget(monkeypatch, fake_clock):
     # watchdog's lifetime, not a credit per epoch.
     clock = fake_clock
     walk_cost = 2**-10  # ~1 ms
-    charge_walks(monkeypatch, clock, lambda reading: walk_cost)
+    clock.charge_walks(monkeypatch, lambda reading: walk_cost)
     wd = Watchdog(limit=10**6, export=False)
     decode = 0.0
     for _request in range(1000):
@@ -374,7 +366,7 @@ def decode_in_fix_mode(monkeypatch, clock, walk_cost, fix_cost, steps, slack, ch
     the start-up credit, that everything observe() spent (the fix included) is within the 1%
     budget and ``slack``. Returns the watchdog, the steps with a known rate, and by cache
     (index) the steps at which the fix scheduled its array."""
-    charge_walks(monkeypatch, clock, lambda reading: walk_cost)
+    clock.charge_walks(monkeypatch, lambda reading: walk_cost)
     real_schedule = core.schedule_evaluation
     cut_at: dict[int, list[int]] = {i: [] for i in range(4)}
 
