@@ -15,6 +15,19 @@ from mlx_watchdog.core import watchdog as core
 from mlx_watchdog.core.graph import account, is_evaluated
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
+STEP = 1 / 64  # seconds per decode step (exact in binary, so 0.5 s is exactly 32 steps)
+
+
+@pytest.fixture(autouse=True)
+def watchdog_time(monkeypatch, fake_clock):
+    """Every test here runs the watchdog on the fake clock (conftest): each observe() comes STEP
+    after the last, and walks and fixes take no time unless a test charges them. When to walk,
+    what fits the budget and what the watchdog counts as its own time are then the same on any
+    machine, at any load (walking every step with a budget of 1.0 ran out of its start-up credit
+    on a loaded machine, for one)."""
+    fake_clock.step_each_observe(monkeypatch, STEP)
+    return fake_clock
+
 
 class ScalarCache:
     """A cache whose `countdown` is rebound each step to a lazy `x - 1` (Python int operand)."""
@@ -47,9 +60,7 @@ def test_scalar_chain_grows_exactly_one_buffer_per_step():
 def test_forecast_at_one_percent_predicts_the_crossing_step_within_one_percent(monkeypatch, fake_clock):
     limit = 3000
     cache = ScalarCache()
-    # Default options on a decode of 64 steps a second, each walk costing 2 us a node: the walks
-    # are the schedule's on any machine.
-    fake_clock.step_each_observe(monkeypatch, STEP)
+    # Default options on a decode of 64 steps a second, each walk costing 2 us a node.
     fake_clock.charge_walks(monkeypatch, lambda reading: 2e-6 * (reading.pending_nodes + 100))
     wd = Watchdog(limit=limit)
     predicted = None
@@ -231,7 +242,6 @@ def test_materialize_cuts_pending_chains():
 
 def test_walk_cost_is_budgeted_as_graphs_grow(monkeypatch, fake_clock):
     cache = ScalarCache()
-    fake_clock.step_each_observe(monkeypatch, STEP)
     fake_clock.charge_walks(monkeypatch, lambda reading: 2e-6 * (reading.pending_nodes + 100))
     wd = Watchdog(limit=10**6, overhead_budget=0.01, walk_interval=0)
     for _ in range(3000):
@@ -242,11 +252,9 @@ def test_walk_cost_is_budgeted_as_graphs_grow(monkeypatch, fake_clock):
     assert wd.forecast().buffers_per_step == pytest.approx(1.0)
 
 
-STEP = 1 / 64  # seconds per fake decode step (exact in binary, so 0.5 s is exactly 32 steps)
-
-
 def fake_decode(wd, cache, clock, steps):
-    """Observe ``steps`` steps of a chain that grows 1/step, STEP apart; the steps that walked."""
+    """Observe ``steps`` steps of a chain that grows 1/step (STEP apart: watchdog_time); the steps
+    that walked."""
     walked_at = []
     for step in range(1, steps + 1):
         walks = wd.walks
@@ -254,7 +262,6 @@ def fake_decode(wd, cache, clock, steps):
         if wd.walks > walks:
             walked_at.append(step)
         cache.step()
-        clock.now += STEP
     return walked_at
 
 
@@ -272,7 +279,6 @@ def test_walks_are_dense_as_an_epoch_starts_then_one_per_walk_interval(fake_cloc
     every = Watchdog(limit=10**6, export=False, walk_interval=0)
     for _ in range(100):
         every.observe(cache)
-        clock.now += STEP
     assert every.walks == 100
 
 
@@ -290,7 +296,6 @@ def test_walks_stay_within_the_budget_when_a_leak_is_left_unfixed(monkeypatch, f
     for step in range(1, 6001):
         wd.observe(cache)
         cache.step()
-        clock.now += STEP
         decode += STEP
         if decode >= schedule.WALK_CREDIT_SECONDS / 0.01:
             assert wd.overhead_seconds <= 0.01 * decode + 2e-5 * (2 * step + 100), step
@@ -352,7 +357,6 @@ def test_many_short_decodes_share_one_budget(monkeypatch, fake_clock):
         for _ in range(20):
             wd.observe(cache)
             cache.step()
-            clock.now += STEP
             decode += STEP
     assert decode > 10 * schedule.WALK_CREDIT_SECONDS / 0.01
     # The watched decode's wall time includes the watchdog's own time.
@@ -387,7 +391,6 @@ def decode_in_fix_mode(monkeypatch, clock, walk_cost, fix_cost, steps, slack, ch
         wd.observe(caches)
         for cache in caches:
             cache.step()
-        clock.now += STEP
         decode += STEP
         f = wd.forecast()
         known += f.rate_known
