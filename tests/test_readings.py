@@ -32,10 +32,19 @@ NODE_CPU = 3e-6  # CPU seconds a walk takes per pending node (measured here: abo
 LOADED = 4.0  # a walk's wall time over its CPU time beside two busy processes on 2 cores (up to 3.9)
 
 
+@pytest.fixture(autouse=True)
+def watchdog_time(monkeypatch, fake_clock):
+    """Every test here runs the watchdog on the fake clock (conftest): each observe() comes
+    STEP_SECONDS after the last, and walks take no time unless a test charges them. When it walks,
+    what fits its budget, what a reading samples and when a decode is idle are then the same on
+    any machine, at any load."""
+    fake_clock.step_each_observe(monkeypatch, STEP_SECONDS)
+    return fake_clock
+
+
 def loaded_clock(clock, monkeypatch, wall: float = LOADED):
-    """The watchdog's time on a loaded machine, the same on any: decode steps STEP_SECONDS apart,
-    walks that cost NODE_CPU a node and wait ``wall`` times that for a core."""
-    clock.step_each_observe(monkeypatch, STEP_SECONDS)
+    """The watchdog's time on a loaded machine, the same on any: walks that cost NODE_CPU a node
+    and wait ``wall`` times that for a core (the steps: watchdog_time)."""
     clock.charge_walks(monkeypatch, lambda reading: NODE_CPU * (reading.pending_nodes + 100), wall=wall)
 
 
@@ -236,7 +245,7 @@ class Chain:
 
 @pytest.mark.mlx_lm_neutral
 def test_470k_nodes_in_47_chains_are_read_by_sample_within_5_percent(monkeypatch, fake_clock):
-    # On the fake clock a decode step takes 10 ms, as a real one may; the walks cost the sampler
+    # A decode step takes 10 ms (watchdog_time), as a real one may; the walks cost the sampler
     # NODE_CPU a node, and the schedule nothing (every walk due is taken).
     clock = fake_clock
     clock.charge_walks(monkeypatch, lambda reading: NODE_CPU * reading.pending_nodes, wall=0)
@@ -253,7 +262,6 @@ def test_470k_nodes_in_47_chains_are_read_by_sample_within_5_percent(monkeypatch
     wd = Watchdog(limit=10**6, export=False)
     for _step in range(10_000):
         wd.observe(chains)
-        clock.now += 0.01
         for c in chains:
             c.step()
     wd.observe(chains)
@@ -310,7 +318,6 @@ def test_the_crash_scale_reads_right_with_each_walk_within_the_stall_budget(coun
             c.step()
         if step == 40:
             caches.append(Chain(100))
-        clock.now += 0.01
         # a changed batch is read a step after the change (schedule.py): that walk is the join's
         observe(wd, "continuing epoch" if step in (40, 41) else "step", lambda: wd.observe(caches))
     observe(wd, "generation_ended", wd.generation_ended)
@@ -319,7 +326,6 @@ def test_the_crash_scale_reads_right_with_each_walk_within_the_stall_budget(coun
     for _ in range(3):
         for c in caches:
             c.step()
-        clock.now += 0.01
         observe(ended, "short generation", lambda: ended.observe(caches))
     observe(ended, "short generation's end", ended.generation_ended)
 
@@ -436,7 +442,6 @@ def test_a_pause_in_the_steps_reads_idle_and_the_next_steps_are_measured_afresh(
     wd = Watchdog(limit=10**6, export=False)
     for _ in range(100):
         wd.observe(cache)
-        clock.now += 0.01
         held = graph.account([cache.value])
         cache.step()
     f = wd.forecast()
@@ -524,10 +529,9 @@ def test_a_cache_that_dies_takes_its_buffers_out_of_the_reading_at_once():
     assert wd.forecast().resident_buffers == 0  # and nothing grows in caches that are gone
 
 
-def test_the_reading_at_the_end_of_a_generation_runs_only_on_the_thread_that_stepped(monkeypatch, fake_clock):
+def test_the_reading_at_the_end_of_a_generation_runs_only_on_the_thread_that_stepped():
     import threading
 
-    fake_clock.step_each_observe(monkeypatch, STEP_SECONDS)  # the end's reading fits the budget anywhere
     cache = Chain()
     wd = Watchdog(limit=10**6, export=False)
     for _ in range(5):
