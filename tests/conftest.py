@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support import exact_counter
+from support import FakeClock, exact_counter
 
 # The server tests' model: its folder's name is the watchdog's name in their metrics.
 SERVED_MODEL = "tiny-qwen3-next"
@@ -25,6 +25,12 @@ def counter():
     against. Process-wide once installed; skips loudly (fails under CI=true) where it cannot be.
     Session-scoped, so a test that asks for it and for a module's model gets the counter first."""
     return exact_counter()
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The watchdog's wall and CPU clocks, moved by the test alone (support.FakeClock)."""
+    return FakeClock().install(monkeypatch)
 
 
 @pytest.fixture(scope="module")

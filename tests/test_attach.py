@@ -38,6 +38,14 @@ PROMPT = tiny.tiny_prompts(1, 8, seed=1)[0]
 FORWARDS_BEFORE_FIRST_TOKEN = 2
 
 
+@pytest.fixture(autouse=True)
+def watchdog_time(monkeypatch, fake_clock):
+    """Every test here runs the watchdog on the fake clock (conftest), each observe() 10 ms after
+    the last, walks free: when it walks is the schedule's, the same on any machine."""
+    fake_clock.step_each_observe(monkeypatch, 0.01)
+    return fake_clock
+
+
 def no_eos(tokens, logits):
     # Random weights may pick the EOS; without it every decode runs to max_tokens.
     return mx.where(mx.arange(logits.shape[-1]) == tiny.EOS_ID, -mx.inf, logits)

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 from support import (
+    FakeClock,
     busy_port,
     free_port,
     http_get,
@@ -123,6 +124,17 @@ def value(families: dict, sample_name: str, **labels) -> float:
     found = samples(families, sample_name, **labels)
     assert len(found) == 1, f"{sample_name}{labels}: expected one sample, got {found}"
     return found[0].value
+
+
+@pytest.fixture(scope="module", autouse=True)
+def watchdog_time():
+    """The module's decodes run the watchdog on the fake clock (support.FakeClock), a step 10 ms
+    after the last, walks free: when it walks, and whether a decode that holds still between two
+    tests still reads as decoding, are the same on any machine, at any load."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        clock = FakeClock().install(monkeypatch)
+        clock.step_each_observe(monkeypatch, 0.01)
+        yield clock
 
 
 class Decode:

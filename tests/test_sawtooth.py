@@ -31,23 +31,11 @@ import pytest
 from mlx_lm.models.cache import ArraysCache
 
 from mlx_watchdog import Watchdog
-from mlx_watchdog.core import watchdog as core
 
 SITE = "ArraysCache.left_padding"
 STEP_SECONDS = 1 / 61  # a decode step on the watchdog's clock: 0.5 s of decode is ~31 steps
 WALK_STEPS = 31  # steps between two walks once the dense ones are done
 LIMIT = 100_000
-
-
-class Clock:
-    """The core's clock, moved by the test: a decode step takes STEP_SECONDS."""
-
-    now = 1000.0
-
-    def perf_counter(self):
-        return self.now
-
-    monotonic = perf_counter
 
 
 def make_caches(n):
@@ -89,10 +77,10 @@ def peak_growth(peaks):
 
 
 @pytest.fixture
-def clock(monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(core, "time", clock)
-    return clock
+def clock(fake_clock):
+    """All the watchdog's time (conftest's fake_clock): a decode step takes STEP_SECONDS, and
+    walks take no time of it, on any machine."""
+    return fake_clock
 
 
 @pytest.mark.parametrize("interval", [8, 50, 256])

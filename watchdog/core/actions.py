@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any
 
+from . import clock
 from . import forecast as fc
 
 logger = logging.getLogger("mlx_watchdog")
@@ -47,7 +47,7 @@ class Warnings:
             logger.warning(message, *args)
 
     def due(self) -> bool:
-        now = time.monotonic()
+        now = clock.wall()
         if now - self._last >= WARN_INTERVAL_SECONDS:
             self._last = now
             return True

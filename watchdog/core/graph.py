@@ -25,10 +25,11 @@ import dataclasses
 import queue
 import re
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+
+from . import clock
 
 # One array line of ours ends `"n3"; }` (an edge reads `"n3" -> 12`): found by its literal start,
 # which the regex engine searches for fast, where a pattern anchored at each line start tried
@@ -98,13 +99,13 @@ class _DeepWalker:
     def _run(self) -> None:
         while True:
             job, box = self._jobs.get()
-            started = time.thread_time()
+            started = clock.cpu()
             try:
                 box.append((True, job()))
             except BaseException as exc:  # handed back to the caller, which raises it
                 box.append((False, exc))
             finally:
-                self.cpu_seconds += time.thread_time() - started  # before the caller wakes
+                self.cpu_seconds += clock.cpu() - started  # before the caller wakes
                 box[0].set()
                 # The job holds the arrays it walked: kept in this frame until the next walk, they
                 # would keep their buffers alive after the program dropped them.
@@ -132,7 +133,7 @@ def cpu_clock() -> float:
     walks would shrink to samples that misread a batch that just changed. CPU time is what the
     graph costs to walk."""
     walker = _walker
-    return time.thread_time() + (walker.cpu_seconds if walker is not None else 0.0)
+    return clock.cpu() + (walker.cpu_seconds if walker is not None else 0.0)
 
 
 def deep_walker() -> _DeepWalker:

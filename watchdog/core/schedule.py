@@ -102,6 +102,7 @@ class Schedule:
         # wake_decode is the decode time of the last walk plus the gap to the next.
         self.wake_step: float = 0
         self.wake_decode = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
+        self._off = False  # switch_off(): no walk is ever due
         self._arm()
 
     def _arm(self) -> None:
@@ -115,6 +116,8 @@ class Schedule:
         )
         if self._owed_next:
             self.wake_step = 0
+        if self._off:
+            self.wake_step = math.inf
 
     def new_epoch(self, step: int, continuing: bool = False, measured: bool = True) -> None:
         """A new epoch at ``step``. One whose caches partly go on (``continuing``: a request
@@ -138,6 +141,8 @@ class Schedule:
     def due(self, step: int, measured: bool = True) -> bool:
         """Is a walk due at ``step``, and does it fit the budget? ``measured``: the growth is known
         (the walk is routine). (Every step: kept cheap.)"""
+        if self._off:
+            return False
         offset = step - self._epoch_start
         owed = self._owed_offsets
         if self._owed_next or (self._owed < len(owed) and offset >= owed[self._owed]):
@@ -170,7 +175,15 @@ class Schedule:
         """A walk at the next step, whatever the budget: what the last one read is stale (a fix
         of long chains, spread over steps, has just cut them)."""
         self._owed_next = True
-        self.wake_step = 0
+        self._arm()
+
+    def switch_off(self) -> None:
+        """No walk is ever due from now on, owed ones included: a step runs observe()'s per-step
+        path alone (a diagnostic: what that path costs without the walks; a watchdog so switched
+        reads nothing)."""
+        self._off = True
+        self.wake_decode = math.inf
+        self._arm()
 
     def charge(self, seconds: float) -> None:
         """The watchdog's own seconds, against the budget. (``observe`` inlines this: every step.)"""

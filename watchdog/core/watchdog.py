@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import math
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -31,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import allocator, graph
+from . import allocator, clock, graph
 from . import forecast as fc
 from .actions import ResourceLimitForecast, Warnings, remedy
 from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all, steps_key
@@ -348,7 +347,7 @@ class Watchdog:
         beside a running batch (``BatchGenerator``) does not start a new series.
 
         Never raises, except :class:`ResourceLimitForecast` when ``stop_within`` says so."""
-        start = time.perf_counter()
+        start = clock.wall()
         try:
             self._observe(roots, last_output, prefill, start)
         except ResourceLimitForecast:
@@ -356,7 +355,7 @@ class Watchdog:
         except Exception as exc:
             self.record_internal_error("observe", exc)
         finally:  # self._charge(start), inlined: this runs on every step
-            spent = time.perf_counter() - start
+            spent = clock.wall() - start
             self.overhead_seconds += spent
             self._schedule.spent += spent
 
@@ -368,7 +367,7 @@ class Watchdog:
         if self._ended:
             return
         self._ended = True
-        start = time.perf_counter()
+        start = clock.wall()
         try:
             self._attribution.finish()  # a probe still attached gives its class back now
             # Only on the thread that stepped (a generator closed by the garbage collector may end
@@ -430,7 +429,7 @@ class Watchdog:
         """Is anything stepping? False after ``generation_ended()`` or an idle gap."""
         if self._ended or self._last_observe == math.inf:
             return False
-        return time.perf_counter() - self._last_observe <= self._idle_seconds()
+        return clock.wall() - self._last_observe <= self._idle_seconds()
 
     def reset(self) -> None:
         """Forget the growth measured so far (a new generation starts); what is resident stays."""
@@ -580,7 +579,7 @@ class Watchdog:
         followed); returns the roots' arrays found pending, with their sites. ``probe``: the
         fix-mode probe this reading ends."""
         self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
-        t0, cpu0 = time.perf_counter(), graph.cpu_clock()
+        t0, cpu0 = clock.wall(), graph.cpu_clock()
         scope = self._scope
         others = scope.others() if roots is not None else scope.members()
         given = roots is not None
@@ -706,7 +705,7 @@ class Watchdog:
             self.walks += 1
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
         self._attribution.consider(self._growth.leaks, found, [roots] + others)
-        self._schedule.walked(step, time.perf_counter() - t0, graph.cpu_clock() - cpu0)
+        self._schedule.walked(step, clock.wall() - t0, graph.cpu_clock() - cpu0)
         if self.on_forecast is not None:
             try:
                 self.on_forecast(self.forecast())
@@ -719,7 +718,7 @@ class Watchdog:
     ) -> None:
         fixer = self._fixer
         self._disown(allocator.settle())
-        fix_started = time.perf_counter()
+        fix_started = clock.wall()
         failed = 0
         try:
             pending = fixer.pending(
@@ -751,7 +750,7 @@ class Watchdog:
         finally:
             # Charged with the rest of observe(); the schedule keeps the walks a floor of the
             # budget when the fix alone would spend it (fix_every=1 on a slow host).
-            self._schedule.charge_fix(time.perf_counter() - fix_started)
+            self._schedule.charge_fix(clock.wall() - fix_started)
         if failed:
             with self._lock:
                 self.fix_failures += failed
@@ -921,7 +920,7 @@ class Watchdog:
 
     def _charge(self, start: float) -> None:
         """The watchdog's own time since ``start``: in its overhead and against its budget."""
-        spent = time.perf_counter() - start
+        spent = clock.wall() - start
         self.overhead_seconds += spent
         self._schedule.charge(spent)
 
