@@ -110,6 +110,19 @@ class FakeClock:
 # --------------------------------------------------------------------------- ports
 
 
+@contextlib.contextmanager
+def cpu_load(processes: int = 2) -> Iterator[None]:
+    """Busy processes beside the test, as on a loaded machine (2 cores here): for what must hold
+    on the real clock whatever the machine does."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

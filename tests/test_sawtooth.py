@@ -29,6 +29,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
+from support import cpu_load
 
 from mlx_watchdog import Watchdog
 
@@ -373,8 +374,6 @@ def test_a_bounded_period_of_256_is_never_a_leak(counter, clock, step_seconds):
 def test_period_256_on_the_real_clock_beside_two_busy_processes(counter):
     """No fake clock: walks by decode time come when the machine allows, the walks at steps
     counted from the decode's start first in the budget. Judged before step 1,000."""
-    from test_readings import cpu_load
-
     with cpu_load():
         wd, live, forecasts = decode_mixed(counter, None, "attributes", 256, 1000, 0.002, caches=4)
     assert (live[-1] - live[-513]) / 512 == pytest.approx(4.0)

@@ -35,6 +35,10 @@ DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into a new decode that are 
 # cost that grows with the log of the steps. Walks by decode time come on top.
 FIRST_BEAT = 96
 BEAT_RATIO = 1.5
+# A beat is owed whatever the budget while a walk's work (its CPU time) is below this: on a loaded
+# machine a walk's wall time is mostly its wait for a core, and one spent credit would put the
+# beats off past the sawtooth they are there to see. Dearer walks wait for the budget.
+BEAT_CPU_SECONDS = 0.01
 # Walks of a new decode taken even when the budget is spent now (they are charged, and the routine
 # walks after them give way): one for its level, two 16 steps apart for its rate. Without them a
 # server whose budget one slow walk had spent (300 ms on a loaded machine) was blind to the next
@@ -83,6 +87,8 @@ class Schedule:
             maxlen=COST_WINDOW
         )  # the last walks' seconds
         self.last_cost = 0.0  # what the next walk is expected to cost
+        self._work: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
+        self.last_work = 0.0  # the CPU time the next walk is expected to take
         self._fix_costs: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
         self.fix_cost = 0.0  # what the next fix is expected to cost
         self._epoch_start = 0
@@ -148,7 +154,7 @@ class Schedule:
         if self._owed_next or (self._owed < len(owed) and offset >= owed[self._owed]):
             return True
         if step - self._decode_start >= self._beat:  # first in the budget, as a new decode's walks
-            return self.affordable()
+            return self.last_work < BEAT_CPU_SECONDS or self.affordable()
         wanted = (
             self._next < len(self._offsets) and offset >= self._offsets[self._next]
         ) or self.decode_seconds >= self.wake_decode
@@ -214,6 +220,8 @@ class Schedule:
         of CPU (its work: a walk that waited for a core must not space the next ones out)."""
         self._costs.append(cost)
         self.last_cost = statistics.median(self._costs)
+        self._work.append(cost if cpu_cost is None else min(cost, cpu_cost))
+        self.last_work = statistics.median(self._work)
         self._owed_next = False
         offset = step - self._epoch_start
         while self._owed < len(self._owed_offsets) and self._owed_offsets[self._owed] <= offset:
