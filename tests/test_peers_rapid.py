@@ -255,7 +255,8 @@ def measured(server: Peer, model: Path, asks) -> dict:
     assert len(workload["run"]) >= 3 * TOOTH, f"the batch decoded {len(workload['run'])} steps at one size"
     workload["truth"] = max(steady_rates(server.truth(), workload["started"], until), key=lambda r: r[1])[2]
     print(
-        f"\n{RAPID} {asks[0].kind}: exact {workload['truth']:.3f} buffers/step, read {reading(workload, HYBRID):.3f}",
+        f"\n{RAPID} {asks[0].kind}: exact {workload['truth']:.3f} buffers/step (peaks; lowest points "
+        f"{trough_rise(workload['run']):+d} over {len(workload['run'])} steps), read {reading(workload, HYBRID):.3f}",
         file=sys.stderr,
     )
     return workload
@@ -301,7 +302,9 @@ class Runs:
             result["after"] = together(server, self.model, AFTER)
             return self.finish(server, result)
         finally:
+            stopping = time.monotonic()
             server.stop()
+            print(f"\n{RAPID}: server stopped in {time.monotonic() - stopping:.1f} s", file=sys.stderr)
 
     def fixed(self) -> dict:
         server = self.serve("fixed", "--fix")
@@ -314,12 +317,27 @@ class Runs:
                 },
             )
         finally:
+            stopping = time.monotonic()
             server.stop()
+            print(f"\n{RAPID}: server stopped in {time.monotonic() - stopping:.1f} s", file=sys.stderr)
 
 
 @pytest.fixture(scope="module")
 def runs(rapid_env, hybrid, tmp_path_factory) -> Runs:
     return Runs(rapid_env, hybrid, tmp_path_factory.mktemp("rapid"))
+
+
+def read_while_decoding(workload: dict, name: str, **labels: str) -> float:
+    """A series of the model's watchdog at the last scrape that had a measured rate while it decoded
+    (``reading`` for any series)."""
+    read = [
+        values(text, name, watchdog=HYBRID, **labels)
+        for _, text in workload["scrapes"]
+        if values(text, "mlx_watchdog_rate_known", watchdog=HYBRID) == [1.0]
+        and values(text, "mlx_watchdog_decoding", watchdog=HYBRID) == [1.0]
+    ]
+    assert read and read[-1], f"no scrape of {name} {labels} with a measured rate while it decoded"
+    return read[-1][0]
 
 
 def served(workload: dict) -> list[Answer]:
@@ -350,10 +368,8 @@ def test_a_cold_batch_leaks_at_left_padding_as_the_exact_count_shows(runs, kind)
     # mlx-lm 0.31.3's BatchGenerator under Rapid-MLX's scheduler: 6 linear-attention layers, 5 a step
     assert truth == pytest.approx(LEAK, abs=TOLERANCE * LEAK)
     assert abs(read - truth) <= TOLERANCE * truth, (read, truth)
-    site = values(
-        workload["scrapes"][-1][1], "mlx_watchdog_leak_buffers_per_step", watchdog=HYBRID, site=SITE
-    )
-    assert site and abs(site[0] - truth) <= TOLERANCE * truth, site
+    site = read_while_decoding(workload, "mlx_watchdog_leak_buffers_per_step", site=SITE)
+    assert abs(site - truth) <= TOLERANCE * truth, site
     assert set(errors_total(run["metrics"])) == {0.0}
     assert f"watching {HYBRID} (pid" in run["log"].read_text()
 
@@ -375,9 +391,10 @@ def test_the_fix_removes_the_growth_with_the_same_greedy_tokens(runs, kind):
     assert trough_rise(run) <= 2 * LEAK, (trough_rise(run), run)
     assert trough_rise(watched[kind]["run"]) >= (1 - TOLERANCE) * LEAK * (len(watched[kind]["run"]) - TOOTH)
     assert abs(reading(fixed[kind], HYBRID)) <= TOLERANCE * LEAK
+    # what the fix cut, read while the batch decoded (the series of a batch that ended starts afresh)
+    cut = read_while_decoding(fixed[kind], "mlx_watchdog_fixed_leak_buffers_per_step", site=SITE)
+    assert cut == pytest.approx(LEAK, rel=TOLERANCE), cut
     metrics = fixed["metrics"]
-    fixed_site = values(metrics, "mlx_watchdog_fixed_leak_buffers_per_step", watchdog=HYBRID, site=SITE)
-    assert fixed_site == [pytest.approx(LEAK, rel=TOLERANCE)], fixed_site
     assert values(metrics, "mlx_watchdog_materialized_arrays_total", watchdog=HYBRID)[0] > 0
     assert set(errors_total(metrics)) == {0.0}
 
