@@ -53,7 +53,8 @@ sdist: $(MLX_LM_SDIST)/.done
 
 # lint and typecheck first: CI fails on them before the tests run (and before minutes of tests).
 test: lint typecheck system-deps $(STAMP) sdist
-	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_peers.py
+	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_peers.py \
+	    --ignore=tests/test_peers_rapid.py
 	$(MAKE) test-mlx-lm-031
 	$(MAKE) test-peers
 
@@ -69,14 +70,15 @@ test-mlx-lm-031: $(MLX_LM_031)/.installed
 	$(MLX_LM_031)/bin/python -c "import mlx_lm; assert mlx_lm.__version__.startswith('0.31.'), mlx_lm.__version__"
 	$(MLX_LM_031)/bin/python -m pytest -q -p no:cacheprovider -m "not mlx_lm_neutral" $(MLX_LM_031_TESTS)
 
-# The servers users run (vllm-mlx, mlx-vlm's server), from PyPI, in an environment of their own
-# cached outside the clone (tests/peers/envs.py, ~/.cache/mlx-watchdog/peers), then their
+# The servers users run (vllm-mlx, mlx-vlm's server; Rapid-MLX), from PyPI, in environments of
+# their own cached outside the clone (tests/peers/envs.py, ~/.cache/mlx-watchdog/peers: one for
+# vllm-mlx and mlx-vlm, one for Rapid-MLX, whose module is named vllm_mlx too), then their
 # end-to-end tests under `mlx-watchdog run`, and the check of mlx-vlm's own cache-evaluation
 # cadence against its source (the main run skips it where the environment is not built yet). A
 # failed install fails under CI=true; elsewhere the tests skip loudly.
 test-peers: $(STAMP)
 	$(PY) tests/peers/envs.py || [ "$$CI" != true ]
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_peers.py \
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_peers.py tests/test_peers_rapid.py \
 	    tests/test_sawtooth.py::test_the_cadence_reproduced_is_mlx_vlm_s_own
 
 # ruff (lint and format) and mypy, as configured in pyproject.toml. mypy reads the package through

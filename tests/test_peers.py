@@ -96,6 +96,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def server_command(peer: str, env: Path, model: Path, port: int) -> list[str]:
+    if peer == "rapid-mlx":  # tests/test_peers_rapid.py; nothing sent home, no check for a newer release
+        return [str(env / "bin" / "rapid-mlx"), "--no-telemetry", "--disable-version-check", "serve", str(model),
+                "--host", LOOPBACK, "--port", str(port)]  # fmt: skip
     if peer == "vllm-mlx":
         return [str(env / "bin" / "vllm-mlx"), "serve", str(model), "--host", LOOPBACK, "--port", str(port),
                 "--continuous-batching"]  # fmt: skip
@@ -118,7 +121,7 @@ class Reply:
 class Peer:
     """``python -m mlx_watchdog run --metrics-port M WATCHDOG_ARGS -- <server> --port P``."""
 
-    def __init__(self, peer: str, peer_env: dict, model: Path, tmp: Path, watchdog_args=()):
+    def __init__(self, peer: str, peer_env: dict, model: Path, tmp: Path, watchdog_args=(), server_args=()):
         self.peer, self.tmp = peer, tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.port, self.metrics_port = free_port(), free_port()
@@ -131,7 +134,7 @@ class Peer:
             HF_HUB_OFFLINE="1",
             **{TRUTH_ENV: str(self.truth_file)},
         )
-        command = server_command(peer, peer_env["env"], model, self.port)
+        command = [*server_command(peer, peer_env["env"], model, self.port), *server_args]
         cmd = [str(peer_env["python"]), "-m", "mlx_watchdog", "run", "--metrics-port", str(self.metrics_port),
                *watchdog_args, "--", *command]  # fmt: skip
         started = time.monotonic()
