@@ -49,8 +49,8 @@ CUT_SHARE = 0.25
 # seen there without a cut, or retains YOUNG times the highest peak seen there: then it grows for
 # good, a leak beside a sawtooth at one site.
 YOUNG = 2
-# A tooth this many times longer than any seen, over OVERDUE_READINGS readings at least and past
-# the chain's peak: the program no longer cuts it.
+# A tooth this many times longer than any seen and a chain this many times its peak, over
+# OVERDUE_READINGS readings at least: the program no longer cuts it.
 OVERDUE = 4
 OVERDUE_READINGS = 4
 
@@ -73,7 +73,7 @@ class Chain:
     """One array of a site across readings (its path in its cache). A fall of what it retains
     between two readings is a cut by the program: from then on, what it retains is bounded (it
     comes back to its peak, no higher), until a tooth goes on ``OVERDUE`` times longer than any
-    seen and past its peak: the program no longer cuts it."""
+    seen, to ``OVERDUE`` times its peak: the program no longer cuts it."""
 
     ref: Any  # the cache's weak reference (None: not followed; the key alone names it)
     retained: float  # at the last reading
@@ -107,10 +107,13 @@ class Chain:
         return cut
 
     def overdue(self, step: int, retained: float) -> bool:
+        # Steps since the last cut *seen* alone are no evidence: readings at the phase of the cuts
+        # miss them. What the chain retains grows with its age: past OVERDUE times its peak, no
+        # cut came.
         return (
             self.readings >= OVERDUE_READINGS
             and step - self.start > OVERDUE * self.longest
-            and retained > self.peak
+            and retained > OVERDUE * max(self.peak, CUT_BUFFERS)
         )
 
     @property
