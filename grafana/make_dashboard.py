@@ -359,8 +359,9 @@ def build() -> dict:
         "title": "Processes: versions and fix",
         "description": "One row per watched process (from the `mlx_watchdog_info` metric): the watchdog "
         "name, scrape address and rank, whether the leak fix is on, and the mlx-watchdog, MLX and mlx-lm "
-        "versions and the MLX device. If a leak is reported while `fix` is off, restart with "
-        "`mlx-watchdog serve --fix` or `Watchdog(fix=True)`.",
+        "versions, the MLX device and its backend (metal, cuda, cpu: only Metal has a buffer-count "
+        "limit). If a leak is reported while `fix` is off, restart with `mlx-watchdog serve --fix` or "
+        "`Watchdog(fix=True)`.",
         "datasource": DS,
         "targets": [target(f"mlx_watchdog_info{{{SEL}}}", legend="", instant=True, fmt="table")],
         "transformations": [
@@ -383,6 +384,7 @@ def build() -> dict:
                         "mlx_version": 5,
                         "mlx_lm_version": 6,
                         "device": 7,
+                        "backend": 8,
                     },
                     "renameByName": {},
                 },
