@@ -614,4 +614,4 @@ def test_a_stop_put_on_the_queue_becomes_the_final_chunk():
     channel = server_hooks._Channel(hooks, queue, (queue, None, None))
     channel.put(ResourceLimitForecast(forecast))
     error = queue.get_nowait()
-    assert isinstance(error, RuntimeError) and "resource limit" in str(error)
+    assert isinstance(error, RuntimeError) and str(error) == str(ResourceLimitForecast(forecast))

@@ -410,7 +410,7 @@ class Coordinator:
         # Forget what led here: a reading taken before the stop must not stop the next generation.
         self.agreement = None
         self._ignore_until = step
-        self.watchdog.record_stop("forecast")
+        self.watchdog.record_stop("forecast", forecast)
         logger.error(
             "mlx-watchdog: rank %d stops with all %d ranks at step %d (agreed at step %d): "
             "rank %d forecasts %s",

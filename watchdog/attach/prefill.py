@@ -321,7 +321,7 @@ class PrefillGuard:
         room = wd.limit - forecast.resident_buffers
         if predicted <= room:
             return None
-        wd.record_stop("prefill")
+        wd.record_stop("prefill", forecast)
         if safe:
             advice = (
                 f"retry with prefill_step_size={safe} (the largest chunk predicted under "

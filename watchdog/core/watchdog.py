@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 
 from . import allocator, clock, graph
 from . import forecast as fc
-from .actions import ResourceLimitForecast, Warnings, remedy
+from .actions import ResourceLimitForecast, Stop, Warnings, remedy
 from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all, steps_key
 from .attribution import Attribution
 from .caches import KEPT_MARK, Scope, member_of
@@ -198,6 +198,8 @@ class Watchdog:
         self.internal_errors = 0
         self.walks = 0
         self.stops: collections.Counter[str] = collections.Counter()
+        self._last_stops: dict[str, Stop] = {}  # the last stop of each reason
+        self._held_stop: Stop | None = None  # see held_stop
 
         # What is attached to it: forecast() asks them for their readings.
         self._coordinator: Coordinator | None = None
@@ -437,9 +439,33 @@ class Watchdog:
             self._reset_series()
         self._epoch_version = -1
 
-    def record_stop(self, reason: str) -> None:
+    def record_stop(self, reason: str, forecast: fc.Forecast | None = None) -> Stop:
+        """Count a stop and keep the forecast that caused it (default: the forecast now): see
+        ``last_stops`` and ``held_stop``."""
+        if forecast is None:
+            forecast = self.forecast()
+        stop = Stop(reason, forecast, time.time())
+        rank = self.rank
         with self._lock:
             self.stops[reason] += 1
+            self._last_stops[reason] = stop
+            if forecast.rate_known and forecast.rank == rank:  # a measured forecast, of this process
+                self._held_stop = stop
+        return stop
+
+    @property
+    def last_stops(self) -> dict[str, Stop]:
+        """The last stop of each reason (a copy), with the forecast that caused it."""
+        with self._lock:
+            return dict(self._last_stops)
+
+    @property
+    def held_stop(self) -> Stop | None:
+        """The last stop whose forecast no reading has replaced yet, else None. A stop ends the
+        caches that grew (and an attachment may forget the growth then): until a reading taken on
+        a decode step since measures the growth again, the stop's forecast is the last measured
+        one, and the exporters publish its rate, sites and steps to the limit."""
+        return self._held_stop
 
     def record_internal_error(self, where: str, exc: BaseException) -> None:
         """Count and log an error caught on the watchdog's behalf (the decode goes on)."""
@@ -703,6 +729,8 @@ class Watchdog:
                 self._fixer.last_step,
             )
             self.walks += 1
+            if given and self._growth.known:  # a decode step's reading measured the growth
+                self._held_stop = None
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
         self._attribution.consider(self._growth.leaks, found, [roots] + others)
         self._schedule.walked(step, clock.wall() - t0, graph.cpu_clock() - cpu0)
@@ -806,7 +834,7 @@ class Watchdog:
                 if coordinator is not None:
                     stl = coordinator.worst(step, stl)
             if stl <= self.stop_within:
-                self.record_stop("forecast")
+                self.record_stop("forecast", forecast)
                 logger.error("mlx-watchdog: stopping the generation: %s", forecast.describe())
                 raise ResourceLimitForecast(forecast)
         # While a probe looks for a leak's source line (a step or two), the warning waits for it.
