@@ -2,6 +2,8 @@
 
 ``wall``: seconds of a monotonic clock. The watchdog's own time and its budget, the decode's
 time and pace, idle gaps, a walk's and a fix's cost, the warnings' interval.
+``now``: the time of day (Unix seconds), for timestamps shown to people (a stop's time), never
+for a decision.
 ``cpu``: CPU seconds of the calling thread. What a walk's work costs (``graph.cpu_clock``),
 which spaces walks out and sizes the sampler's readings.
 
@@ -16,3 +18,4 @@ import time
 
 wall = time.perf_counter
 cpu = time.thread_time
+now = time.time

@@ -444,7 +444,7 @@ class Watchdog:
         ``last_stops`` and ``held_stop``."""
         if forecast is None:
             forecast = self.forecast()
-        stop = Stop(reason, forecast, time.time())
+        stop = Stop(reason, forecast, clock.now())
         rank = self.rank
         with self._lock:
             self.stops[reason] += 1
