@@ -123,6 +123,17 @@ def cpu_load(processes: int = 2) -> Iterator[None]:
             p.wait()
 
 
+def sse_events(response: Iterable[bytes]) -> Iterator[dict | None]:
+    """The events of a server-sent-events reply (an OpenAI-style stream): each ``data:`` line's
+    JSON, and None for ``[DONE]``."""
+    for raw in response:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        yield None if data == "[DONE]" else json.loads(data)
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import LOOPBACK, free_port, http_get, log_tail, missing, stop_process, wait_ready
+from support import LOOPBACK, free_port, http_get, log_tail, missing, sse_events, stop_process, wait_ready
 
 TESTS = Path(__file__).resolve().parent
 PEERS = TESTS / "peers"
@@ -178,15 +178,10 @@ class Peer:
                 choice = json.loads(response.read())["choices"][0]
                 reply.text, reply.finish = choice["message"]["content"] or "", choice.get("finish_reason")
             else:
-                for raw in response:
-                    line = raw.decode(errors="replace").strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
+                for event in sse_events(response):
+                    if event is None:
                         reply.done = True
                         continue
-                    event = json.loads(data)
                     if "error" in event:
                         reply.errors.append(event["error"])
                         continue

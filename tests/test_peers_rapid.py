@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support import LOOPBACK, missing
+from support import LOOPBACK, missing, sse_events
 from test_peers import (
     HYBRID,
     LEAK,
@@ -152,15 +152,10 @@ def ask(server: Peer, model: Path, request: Ask) -> Answer:
             answer.text = (choice["message"]["content"] if request.kind == "chat" else choice["text"]) or ""
             answer.finish, answer.tokens = choice.get("finish_reason"), reply["usage"]["completion_tokens"]
         else:
-            for raw in response:
-                line = raw.decode(errors="replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
+            for event in sse_events(response):
+                if event is None:
                     answer.done = True
                     continue
-                event = json.loads(data)
                 if "error" in event:
                     answer.errors.append(event["error"])
                     continue
