@@ -245,7 +245,7 @@ class Clock:
     monotonic = perf_counter
 
 
-@pytest.mark.mlx_lm_neutral
+# Also in the second run (mlx 0.31.2): a sampled reading tells every array, so that must stay O(1) there.
 def test_470k_nodes_in_47_chains_are_read_by_sample_within_5_percent(monkeypatch):
     from mlx_watchdog.core import watchdog as core
 
