@@ -23,6 +23,7 @@ import urllib.request
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -194,6 +195,30 @@ def missing(message: str) -> None:
     print(f"\n*** WARNING: {message} ***", file=sys.stderr)
     warnings.warn(message, stacklevel=2)
     pytest.skip(f"*** {message} ***")
+
+
+def mlx_before_0_32() -> bool:
+    """mlx 0.31.x, the line the second run uses (make test-mlx-031)."""
+    import mlx.core as mx
+
+    return tuple(int(p) for p in mx.__version__.split(".")[:2]) < (0, 32)
+
+
+def mlx_says_evaluated(array) -> bool:
+    """MLX's own answer, not the watchdog's: ``mx.get_array_buffer_size`` refuses an unevaluated
+    array (mlx 0.32.4); without it, ``mx.export_to_dot`` writes an array that has no primitive
+    (evaluated, or scheduled) as a source."""
+    import mlx.core as mx
+
+    if hasattr(mx, "get_array_buffer_size"):
+        try:
+            mx.get_array_buffer_size(array)
+            return True
+        except ValueError:
+            return False
+    text: list[str] = []
+    mx.export_to_dot(SimpleNamespace(write=text.append), n0=array)
+    return '{ rank=source; "n0"; }' in "".join(text)
 
 
 def needs_model_type(model_type: str) -> pytest.MarkDecorator:

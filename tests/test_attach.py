@@ -522,24 +522,25 @@ def test_forecast_from_another_thread_during_a_batched_decode(hybrid):
     errors, forecasts = [], []
     done = threading.Event()
 
-    def decode():
+    # The decode runs on this thread, as a program's does; an exporter's thread reads. (A thread
+    # that decoded through mlx-lm's compiled functions aborts the process when it ends on mlx 0.31.)
+    def read():
         try:
-            batched_tokens(hybrid, 60, tiny.tiny_prompts(2, 6, seed=3))
+            while not done.is_set():
+                f = wd.forecast()
+                forecasts.append(f)
+                f.describe()
         except BaseException as exc:
             errors.append(exc)
-        finally:
-            done.set()
 
-    worker = threading.Thread(target=decode, name="decode")
-    worker.start()
+    reader = threading.Thread(target=read, name="reader")
+    reader.start()
     try:
-        while not done.is_set():
-            f = wd.forecast()
-            forecasts.append(f)
-            f.describe()
+        batched_tokens(hybrid, 60, tiny.tiny_prompts(2, 6, seed=3))
     finally:
-        worker.join(timeout=120)
-    assert not worker.is_alive() and not errors
+        done.set()
+        reader.join(timeout=120)
+    assert not reader.is_alive() and not errors
     assert len(forecasts) > 10 and wd.internal_errors == 0
     steps = [f.step for f in forecasts]
     assert steps == sorted(steps)  # never goes back

@@ -240,3 +240,14 @@ def test_scrape_pause_benchmark_runs():
     results = json.loads(text)
     assert results["paired"]["step_median_ms"] > 0 and results["blocks"] and results["gil_probe"]
     assert "ArraysCache.left_padding" in results["forecast_at_end"]  # the leak was live while it scraped
+
+
+def test_evaluated_check_benchmark_runs():
+    text = _run_script(
+        "evaluated_check.py", "--depths", "50", "--chains", "3", "--steps", "8", "--sweeps", "1"
+    )
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ") and "50 |" in line]
+    assert {r[1].strip() for r in rows} >= {"descriptor", "export"}, text
+    for r in rows:  # the watchdog's resident buffers against the workload's own count
+        read, truth = r[9].split("/")
+        assert int(read) == int(truth) == 3 * (50 + 8 + 1) + 3, r

@@ -522,10 +522,14 @@ def test_new_caches_that_reuse_the_ids_of_freed_ones_are_a_new_decode():
     assert wd.steps == 6 and wd.forecast().buffers_per_step == pytest.approx(3.0)
     old_ids = [id(c) for c in decode]
     del decode, c
-    candidates = [ScalarCache() for _ in range(200)]  # kept alive, so each takes a fresh slot
+    # Kept alive, so each takes a fresh slot; built after all are allocated, so that the arrays
+    # they make (same size class: on mlx 0.31.2 they took the freed slots first) take none.
+    candidates = [ScalarCache.__new__(ScalarCache) for _ in range(2000)]
     by_id = {id(c): c for c in candidates}
     assert all(i in by_id for i in old_ids), "the allocator did not reuse the freed ids"
     reused = [by_id[i] for i in old_ids]
+    for c in reused:
+        c.__init__()
     wd.observe(reused, prefill=True)  # the next request's prompt: no step of the finished decode
     assert wd.steps == 6
     wd.observe(reused)  # its first decode step: a new decode, none of the old caches lives

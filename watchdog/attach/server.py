@@ -391,6 +391,13 @@ def _clear_thread_streams() -> None:
         mx.clear_streams()
     except Exception as exc:  # an MLX without it, or a stream still in use: exit as before
         logger.debug("mlx-watchdog serve: mx.clear_streams() failed: %r", exc)
+    # mlx 0.31 frees a thread's compile cache at its exit with the GIL held only on threads that
+    # called mx.compile (the first call also empties it); otherwise its entries, which hold Python
+    # objects, are freed without the GIL, which aborts the process when the thread ends.
+    try:
+        mx.compile(_clear_thread_streams)
+    except Exception as exc:
+        logger.debug("mlx-watchdog serve: mx.compile() failed: %r", exc)
 
 
 def _model_label(model_path: Any) -> str:
