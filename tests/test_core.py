@@ -454,6 +454,49 @@ def test_a_busy_batch_in_fix_mode_keeps_its_rate_within_the_budget(monkeypatch):
     assert known >= 0.9 * steps, known
 
 
+class RequestCache:
+    """A request's share of a busy batch: buffers it holds (evaluated: nothing grows)."""
+
+    def __init__(self, buffers: int = 40):
+        self.state = [mx.full((1, 4), float(i)) for i in range(buffers)]
+        mx.eval(self.state)
+
+
+def test_a_new_decodes_first_fix_takes_out_only_the_chains_grown_since_it_began(monkeypatch):
+    # In fix mode the resident count between walks follows the fix's sawtooth: after a fix, the
+    # chains it cut are out of the reading, as much as they had grown since the fix before. A new
+    # decode (its caches all new) is fixed at its first chance, its fixer pretending a fix
+    # fix_every steps before it: a reading taken before that first fix was read as holding 16
+    # steps of chains (64 buffers of 4 chains), 60 too many, until the next walk (a busy serve
+    # --fix: up to 80 under the exact count after each batch that emptied).
+    def prompt():  # a new request's caches: the prompt left one node of each chain
+        caches = [ScalarCache() for _ in range(4)]
+        for cache in caches:
+            cache.step()
+        return [*caches, RequestCache()]
+
+    clock = FakeClock()  # walks and fixes cost nothing: the schedule alone decides
+    use_clock(monkeypatch, clock)
+    wd = Watchdog(limit=10**6, export=False, fix=True)
+    caches, off = prompt(), []
+    for step in range(1, 121):
+        if step % 40 == 0:
+            caches = prompt()  # the batch emptied: every cache before is dead, a new decode
+        wd.observe(caches)
+        mx.synchronize()  # the fix's scheduled evaluations done
+        arrays = [a for cache in caches[:4] for a in (cache.keys, cache.countdown)] + caches[4].state
+        truth = account(arrays)
+        off.append((step, wd.forecast().resident_buffers - truth.evaluated_arrays - truth.retained_buffers))
+        for cache in caches[:4]:
+            cache.step()
+        del cache
+        clock.now += STEP
+    assert wd.materialized_arrays > 0 and wd.fix_failures == 0
+    # At most 3 steps of the 4 chains: a new decode's growth is not extrapolated before it is read
+    # (its first walk starts a probe of 1-3 steps, which the first fix waits for).
+    assert all(abs(o) <= 12 for _, o in off), [(s, o) for s, o in off if abs(o) > 12]
+
+
 def test_a_fix_the_budget_cannot_pay_for_waits_but_still_cuts_the_chains(monkeypatch):
     # Each fix costs 4 ms and is due every 16 steps of 1/64 s: alone 1.6% of the decode, past the
     # 1% budget. The fixes wait until the budget pays for them, up to 4 times their interval: the
