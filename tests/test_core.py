@@ -497,6 +497,67 @@ def test_a_new_decodes_first_fix_takes_out_only_the_chains_grown_since_it_began(
     assert all(abs(o) <= 12 for _, o in off), [(s, o) for s, o in off if abs(o) > 12]
 
 
+def test_a_reading_follows_a_busy_fix_mode_batch_when_the_fix_fills_the_budget(monkeypatch):
+    # A busy --fix server: the batch's chain grows 1/step and is cut by the fix; requests join
+    # (40 buffers each: a jump no growth carries) and leave, the batch growing from 1 request to 6
+    # and back, again and again. Each step's own observe() costs 30 us and each fix 2 ms (due every
+    # 16 steps of 1/64 s): with the walks, past the 1% budget, so the routine walks never fit and
+    # the fix is spaced out. Measured in a busy serve --fix: the reading stayed at a level read
+    # 900 steps before while requests came and went (off by 189 buffers at a slack of 100). Every
+    # change of the caches must be read within a bounded number of steps whatever the budget, so
+    # the resident count is never more than one request's buffers off the count of what the
+    # caches hold, and the watchdog stays within its budget (the fix gives way).
+    clock = FakeClock()
+    use_clock(monkeypatch, clock)
+    walk_cost, fix_cost, step_cost = 2**-10, 2**-9, 2**-15  # ~1 ms, ~2 ms, ~30 us
+    charge_walks(monkeypatch, clock, lambda reading: walk_cost)
+    real_schedule, real_observe = core.schedule_evaluation, core.Watchdog._observe
+
+    def costly_schedule(arrays, async_eval):
+        clock.now += fix_cost
+        return real_schedule(arrays, async_eval)
+
+    def costly_observe(self, *args):
+        clock.now += step_cost
+        return real_observe(self, *args)
+
+    monkeypatch.setattr(core, "schedule_evaluation", costly_schedule)
+    monkeypatch.setattr(core.Watchdog, "_observe", costly_observe)
+    wd = Watchdog(limit=10**6, export=False, fix=True)
+    batch = ScalarCache()  # the batch's own chain (mlx-lm's left_padding): it outlives the requests
+    requests = [RequestCache()]
+    decode, steps, change_every = 0.0, 8000, 40
+    worst, late, stale_from = 0, [], None
+    for step in range(1, steps + 1):
+        if step % change_every == 0:
+            if (step // change_every) % 12 < 6:
+                requests = requests + [RequestCache()]  # one joins
+            else:
+                requests = requests[1:]  # one leaves: its cache dies
+            stale_from = step
+        wd.observe([batch, *requests])
+        batch.step()
+        clock.now += STEP
+        decode += STEP
+        mx.synchronize()  # the fix's scheduled evaluations done: the graphs as they stand
+        truth = account([batch.keys, batch.countdown] + [a for r in requests for a in r.state])
+        true = truth.evaluated_arrays + truth.retained_buffers
+        f = wd.forecast()
+        if stale_from is not None and f.measured_step >= stale_from:
+            stale_from = None  # the change is read
+        elif stale_from is not None and step - stale_from > 32:
+            late.append(step)
+        if step > 100:
+            worst = max(worst, abs(f.resident_buffers - true))
+        if decode >= 2 * schedule.WALK_CREDIT_SECONDS / 0.01:  # (the decode's wall time includes observe's)
+            budget = 0.01 * (decode + wd.overhead_seconds) + 2 * walk_cost + fix_cost
+            assert wd.overhead_seconds <= budget, (step, wd.overhead_seconds)
+    # A walk of 1 ms is paid by 26 steps of 1/64 s at a quarter of the 1% budget.
+    assert not late, f"changes of the caches read more than 32 steps late, at steps {late[:10]}"
+    assert worst <= 40 + 8, worst  # one request's buffers (at the change), and a few of the chain's
+    assert wd.materialized_arrays > steps // 64  # the fix ran, spaced out
+
+
 def test_a_fix_the_budget_cannot_pay_for_waits_but_still_cuts_the_chains(monkeypatch):
     # Each fix costs 4 ms and is due every 16 steps of 1/64 s: alone 1.6% of the decode, past the
     # 1% budget. The fixes wait until the budget pays for them, up to 4 times their interval: the
