@@ -266,10 +266,11 @@ def fake_decode(wd, cache, clock, steps):
 
 
 def use_clock(monkeypatch, clock):
-    from mlx_watchdog.core import graph, sampling
+    from mlx_watchdog.core import allocator, graph, sampling
 
     monkeypatch.setattr(core, "time", clock)
     monkeypatch.setattr(sampling, "time", clock)
+    monkeypatch.setattr(allocator, "time", clock)  # what settle() refunds: real time, on a loaded machine ms
     monkeypatch.setattr(graph, "cpu_clock", clock.perf_counter)  # walks on this clock work all along
 
 
@@ -500,13 +501,14 @@ def test_a_new_decodes_first_fix_takes_out_only_the_chains_grown_since_it_began(
 def test_a_reading_follows_a_busy_fix_mode_batch_when_the_fix_fills_the_budget(monkeypatch):
     # A busy --fix server: the batch's chain grows 1/step and is cut by the fix; requests join
     # (40 buffers each: a jump no growth carries) and leave, the batch growing from 1 request to 6
-    # and back, again and again. Each step's own observe() costs 30 us and each fix 2 ms (due every
-    # 16 steps of 1/64 s): with the walks, past the 1% budget, so the routine walks never fit and
-    # the fix is spaced out. Measured in a busy serve --fix: the reading stayed at a level read
-    # 900 steps before while requests came and went (off by 189 buffers at a slack of 100). Every
-    # change of the caches must be read within a bounded number of steps whatever the budget, so
-    # the resident count is never more than one request's buffers off the count of what the
-    # caches hold, and the watchdog stays within its budget (the fix gives way).
+    # and back, again and again; now and then the batch empties (a new decode). Each step's own
+    # observe() costs 30 us and each fix 2 ms (due every 16 steps of 1/64 s): with the walks, past
+    # the 1% budget, so the routine walks and probes never fit and the fix is spaced out. Measured
+    # in a busy serve --fix: the reading stayed at a level read 900 steps before while requests
+    # came and went (off by 189 buffers at a slack of 100). Every change of the caches must be read
+    # within a bounded number of steps whatever the budget, and a new decode's fix measured (its
+    # sawtooth followed between walks), so the resident count is never more than one request's
+    # buffers off the count of what the caches hold, and the watchdog stays within its budget.
     clock = FakeClock()
     use_clock(monkeypatch, clock)
     walk_cost, fix_cost, step_cost = 2**-10, 2**-9, 2**-15  # ~1 ms, ~2 ms, ~30 us
@@ -529,7 +531,10 @@ def test_a_reading_follows_a_busy_fix_mode_batch_when_the_fix_fills_the_budget(m
     decode, steps, change_every = 0.0, 8000, 40
     worst, late, stale_from = 0, [], None
     for step in range(1, steps + 1):
-        if step % change_every == 0:
+        if step % (60 * change_every) == 0:  # the batch emptied: a new decode (its cut measured afresh)
+            batch, requests = ScalarCache(), [RequestCache()]
+            stale_from = step
+        elif step % change_every == 0:  # 1 request, 7 after six joins, 1 after six leaves, ...
             if (step // change_every) % 12 < 6:
                 requests = requests + [RequestCache()]  # one joins
             else:

@@ -517,7 +517,15 @@ class Watchdog:
         ):
             walked_pending = self._walk(roots, step)
             # A probe's second walk is taken whatever the budget: it must fit now, with this one.
-            if self.fix and self._last.pending_nodes and fixer.wants_probe() and schedule.affordable(walks=2):
+            # Until a probe has measured what the fix cuts, one is owed: without it the fix's
+            # sawtooth (up to 4x fix_every steps of chains when the budget spaces the fixes) is not
+            # followed between walks (a busy serve --fix: 233 buffers under after a new decode).
+            if (
+                self.fix
+                and self._last.pending_nodes
+                and fixer.wants_probe()
+                and (schedule.affordable(walks=2) or self._growth.probed is None)
+            ):
                 fixer.start_probe(step, self._growth.site_buffers())
         if self.fix:
             backlog = fixer.backlog
