@@ -21,8 +21,9 @@ counted. The oracle is exposed two ways, both optional:
   ``{"true": n, "steps": s, "where": "step" | "idle", "time": t}`` (at a step also
   ``"forward": "decode" | "prefill"``, ``"batch"``, the batch size of that forward's cache, and
   ``"measured"``, the step of the watchdog's last reading: how old it is). The reading is taken on the
-  generation thread at the entry of its next forward pass (``Watchdog.observe`` is wrapped:
-  synchronized, exact, and aligned with the watchdog's own step count ``steps``); when no
+  generation thread at the entry of its next forward pass, once the watchdog has observed it
+  (``Watchdog.observe`` is wrapped: synchronized, exact, aligned with the watchdog's own step count
+  ``steps``, and a scrape that waited for it reads what the watchdog made of that step); when no
   forward pass comes within ``ORACLE_WAIT`` seconds (default 1.0) and no watchdog is decoding
   (the server is idle, nothing is in flight) it is read at once without MLX (``where: "idle"``).
   While one is decoding (a forward in flight, a long prefill on a loaded machine: its temporaries
@@ -102,7 +103,7 @@ class _Probes:
         return probe["result"]
 
     def answer(self, watchdog, roots, prefill: bool) -> None:
-        """On the generation thread, at the entry of a forward pass (``roots``: its cache)."""
+        """On the generation thread, at the entry of a forward pass once observed (``roots``: its cache)."""
         with self.lock:
             if not self.waiting:
                 return
@@ -165,9 +166,11 @@ def _install_hooks() -> None:
     original_observe = core.Watchdog.observe
 
     def observe(self, roots, *args, **kwargs):
-        if PROBES.waiting:  # cheap unlocked check; answer() checks again under the lock
-            PROBES.answer(self, roots, bool(kwargs.get("prefill", False)))
-        return original_observe(self, roots, *args, **kwargs)
+        try:
+            return original_observe(self, roots, *args, **kwargs)
+        finally:  # once the watchdog has read this step: a scrape that waits for it sees its reading
+            if PROBES.waiting:  # cheap unlocked check; answer() checks again under the lock
+                PROBES.answer(self, roots, bool(kwargs.get("prefill", False)))
 
     observe.__wrapped__ = original_observe
     core.Watchdog.observe = observe
