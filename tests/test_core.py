@@ -439,6 +439,112 @@ def test_a_busy_batch_in_fix_mode_keeps_its_rate_within_the_budget(monkeypatch, 
     assert known >= 0.9 * steps, known
 
 
+class RequestCache:
+    """A request's share of a busy batch: buffers it holds (evaluated: nothing grows)."""
+
+    def __init__(self, buffers: int = 40):
+        self.state = [mx.full((1, 4), float(i)) for i in range(buffers)]
+        mx.eval(self.state)
+
+
+def test_a_new_decodes_first_fix_takes_out_only_the_chains_grown_since_it_began(fake_clock):
+    # In fix mode the resident count between walks follows the fix's sawtooth: after a fix, the
+    # chains it cut are out of the reading, as much as they had grown since the fix before. A new
+    # decode (its caches all new) is fixed at its first chance, its fixer pretending a fix
+    # fix_every steps before it: a reading taken before that first fix was read as holding 16
+    # steps of chains (64 buffers of 4 chains), 60 too many, until the next walk (a busy serve
+    # --fix: up to 80 under the exact count after each batch that emptied).
+    def prompt():  # a new request's caches: the prompt left one node of each chain
+        caches = [ScalarCache() for _ in range(4)]
+        for cache in caches:
+            cache.step()
+        return [*caches, RequestCache()]
+
+    clock = fake_clock  # walks and fixes cost nothing: the schedule alone decides
+    wd = Watchdog(limit=10**6, export=False, fix=True)
+    caches, off = prompt(), []
+    for step in range(1, 121):
+        if step % 40 == 0:
+            caches = prompt()  # the batch emptied: every cache before is dead, a new decode
+        wd.observe(caches)
+        mx.synchronize()  # the fix's scheduled evaluations done
+        arrays = [a for cache in caches[:4] for a in (cache.keys, cache.countdown)] + caches[4].state
+        truth = account(arrays)
+        off.append((step, wd.forecast().resident_buffers - truth.evaluated_arrays - truth.retained_buffers))
+        for cache in caches[:4]:
+            cache.step()
+        del cache
+        clock.now += STEP
+    assert wd.materialized_arrays > 0 and wd.fix_failures == 0
+    # At most 3 steps of the 4 chains: a new decode's growth is not extrapolated before it is read
+    # (its first walk starts a probe of 1-3 steps, which the first fix waits for).
+    assert all(abs(o) <= 12 for _, o in off), [(s, o) for s, o in off if abs(o) > 12]
+
+
+def test_a_reading_follows_a_busy_fix_mode_batch_when_the_fix_fills_the_budget(monkeypatch, fake_clock):
+    # A busy --fix server: the batch's chain grows 1/step and is cut by the fix; requests join
+    # (40 buffers each: a jump no growth carries) and leave, the batch growing from 1 request to 6
+    # and back, again and again; now and then the batch empties (a new decode). Each step's own
+    # observe() costs 30 us and each fix 2 ms (due every 16 steps of 1/64 s): with the walks, past
+    # the 1% budget, so the routine walks and probes never fit and the fix is spaced out. Measured
+    # in a busy serve --fix: the reading stayed at a level read 900 steps before while requests
+    # came and went (off by 189 buffers at a slack of 100). Every change of the caches must be read
+    # within a bounded number of steps whatever the budget, and a new decode's fix measured (its
+    # sawtooth followed between walks), so the resident count is never more than one request's
+    # buffers off the count of what the caches hold, and the watchdog stays within its budget.
+    clock = fake_clock
+    walk_cost, fix_cost, step_cost = 2**-10, 2**-9, 2**-15  # ~1 ms, ~2 ms, ~30 us
+    clock.charge_walks(monkeypatch, lambda reading: walk_cost)
+    real_schedule, real_observe = core.schedule_evaluation, core.Watchdog._observe
+
+    def costly_schedule(arrays, async_eval):
+        clock.now += fix_cost
+        return real_schedule(arrays, async_eval)
+
+    def costly_observe(self, *args):
+        clock.now += step_cost
+        return real_observe(self, *args)
+
+    monkeypatch.setattr(core, "schedule_evaluation", costly_schedule)
+    monkeypatch.setattr(core.Watchdog, "_observe", costly_observe)
+    wd = Watchdog(limit=10**6, export=False, fix=True)
+    batch = ScalarCache()  # the batch's own chain (mlx-lm's left_padding): it outlives the requests
+    requests = [RequestCache()]
+    decode, steps, change_every = 0.0, 8000, 40
+    worst, late, stale_from = 0, [], None
+    for step in range(1, steps + 1):
+        if step % (60 * change_every) == 0:  # the batch emptied: a new decode (its cut measured afresh)
+            batch, requests = ScalarCache(), [RequestCache()]
+            stale_from = step
+        elif step % change_every == 0:  # 1 request, 7 after six joins, 1 after six leaves, ...
+            if (step // change_every) % 12 < 6:
+                requests = requests + [RequestCache()]  # one joins
+            else:
+                requests = requests[1:]  # one leaves: its cache dies
+            stale_from = step
+        wd.observe([batch, *requests])
+        batch.step()
+        clock.now += STEP
+        decode += STEP
+        mx.synchronize()  # the fix's scheduled evaluations done: the graphs as they stand
+        truth = account([batch.keys, batch.countdown] + [a for r in requests for a in r.state])
+        true = truth.evaluated_arrays + truth.retained_buffers
+        f = wd.forecast()
+        if stale_from is not None and f.measured_step >= stale_from:
+            stale_from = None  # the change is read
+        elif stale_from is not None and step - stale_from > 32:
+            late.append(step)
+        if step > 100:
+            worst = max(worst, abs(f.resident_buffers - true))
+        if decode >= 2 * schedule.WALK_CREDIT_SECONDS / 0.01:  # (the decode's wall time includes observe's)
+            budget = 0.01 * (decode + wd.overhead_seconds) + 2 * walk_cost + fix_cost
+            assert wd.overhead_seconds <= budget, (step, wd.overhead_seconds)
+    # A walk of 1 ms is paid by 26 steps of 1/64 s at a quarter of the 1% budget.
+    assert not late, f"changes of the caches read more than 32 steps late, at steps {late[:10]}"
+    assert worst <= 40 + 8, worst  # one request's buffers (at the change), and a few of the chain's
+    assert wd.materialized_arrays > steps // 64  # the fix ran, spaced out
+
+
 def test_a_fix_the_budget_cannot_pay_for_waits_but_still_cuts_the_chains(monkeypatch, fake_clock):
     # Each fix costs 4 ms and is due every 16 steps of 1/64 s: alone 1.6% of the decode, past the
     # 1% budget. The fixes wait until the budget pays for them, up to 4 times their interval: the

@@ -542,7 +542,15 @@ class Watchdog:
         ):
             walked_pending = self._walk(roots, step)
             # A probe's second walk is taken whatever the budget: it must fit now, with this one.
-            if self.fix and self._last.pending_nodes and fixer.wants_probe() and schedule.affordable(walks=2):
+            # Until a probe has measured what the fix cuts, one is owed: without it the fix's
+            # sawtooth (up to 4x fix_every steps of chains when the budget spaces the fixes) is not
+            # followed between walks (a busy serve --fix: 233 buffers under after a new decode).
+            if (
+                self.fix
+                and self._last.pending_nodes
+                and fixer.wants_probe()
+                and (schedule.affordable(walks=2) or self._growth.probed is None)
+            ):
                 fixer.start_probe(step, self._growth.site_buffers())
         if self.fix:
             backlog = fixer.backlog
@@ -915,8 +923,12 @@ class Watchdog:
         if self.fix and fixer.fixed_once and cut:
             # Between two fixes the chains it cuts grow back (a sawtooth, up to 4x fix_every steps
             # high when the budget spaces the fixes): as high now as the steps since the last fix
-            # made them, against as high as they were at the reading.
-            growth += cut * ((step - fixer.last_step) - (last.step - last.fixed_at)) * gone.alive_share
+            # made them, against as high as they were at the reading. A reading before the series'
+            # first fix saw chains grown since the series began, not since the fix a reset pretends
+            # (fix_every steps before it, so that the first fix comes at once): 80 buffers too low
+            # until the next walk, counted from there.
+            grown = last.step - max(last.fixed_at, fixer.series_start)
+            growth += cut * ((step - fixer.last_step) - grown) * gone.alive_share
         return max(float(self._parameter_buffers), last.resident - gone.buffers + growth)
 
     def _ranks(self) -> tuple[int, int]:
