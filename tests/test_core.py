@@ -447,7 +447,7 @@ class RequestCache:
         mx.eval(self.state)
 
 
-def test_a_new_decodes_first_fix_takes_out_only_the_chains_grown_since_it_began(fake_clock):
+def test_a_new_decodes_first_fix_takes_out_only_the_chains_grown_since_it_began():
     # In fix mode the resident count between walks follows the fix's sawtooth: after a fix, the
     # chains it cut are out of the reading, as much as they had grown since the fix before. A new
     # decode (its caches all new) is fixed at its first chance, its fixer pretending a fix
@@ -460,7 +460,7 @@ def test_a_new_decodes_first_fix_takes_out_only_the_chains_grown_since_it_began(
             cache.step()
         return [*caches, RequestCache()]
 
-    clock = fake_clock  # walks and fixes cost nothing: the schedule alone decides
+    # (watchdog_time: walks and fixes cost nothing, the schedule alone decides)
     wd = Watchdog(limit=10**6, export=False, fix=True)
     caches, off = prompt(), []
     for step in range(1, 121):
@@ -473,8 +473,7 @@ def test_a_new_decodes_first_fix_takes_out_only_the_chains_grown_since_it_began(
         off.append((step, wd.forecast().resident_buffers - truth.evaluated_arrays - truth.retained_buffers))
         for cache in caches[:4]:
             cache.step()
-        del cache
-        clock.now += STEP
+        del cache  # (each observe() comes STEP after the last: watchdog_time)
     assert wd.materialized_arrays > 0 and wd.fix_failures == 0
     # At most 3 steps of the 4 chains: a new decode's growth is not extrapolated before it is read
     # (its first walk starts a probe of 1-3 steps, which the first fix waits for).
@@ -524,8 +523,7 @@ def test_a_reading_follows_a_busy_fix_mode_batch_when_the_fix_fills_the_budget(m
             stale_from = step
         wd.observe([batch, *requests])
         batch.step()
-        clock.now += STEP
-        decode += STEP
+        decode += STEP  # (each observe() comes STEP after the last: watchdog_time)
         mx.synchronize()  # the fix's scheduled evaluations done: the graphs as they stand
         truth = account([batch.keys, batch.countdown] + [a for r in requests for a in r.state])
         true = truth.evaluated_arrays + truth.retained_buffers
