@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import allocator, graph
+from . import allocator, compiled, graph
 from . import forecast as fc
 from .actions import ResourceLimitForecast, Warnings, remedy
 from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all, steps_key
@@ -406,7 +406,7 @@ class Watchdog:
                 buffers_per_step=max(0.0, rate),
                 steps_to_limit=stl,
                 seconds_to_limit=fc.seconds_from_steps(stl, step_rate),
-                leaks=self._attribution.annotate(growth.leaks),
+                leaks=compiled.annotate(self._attribution.annotate(growth.leaks)),
                 step_rate=step_rate,
                 source="estimate" if self._counter is None else self._counter.name,
                 parameter_buffers=self._parameter_buffers,
@@ -655,12 +655,19 @@ class Watchdog:
 
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers
+        # The compiled functions' cache entries (compiled.py): process-wide, held outside any
+        # cache. Not in a probe's reading: the fix cuts none of them.
+        compiled_buffers = 0
+        for compiled_site, (buffers, entries) in compiled.tallies().items():
+            compiled_buffers += buffers
+            if probe is None:
+                sites[compiled_site] = SiteTally(held=buffers, arrays=entries)
         mlx_cached = 0
         if self._counter is not None:  # MLX's own count: live buffers grow, cached ones are reserved
             live, mlx_cached = self._counter.read()
             resident = float(live)
         else:
-            resident = self._parameter_buffers + cache_buffers + retained_buffers
+            resident = self._parameter_buffers + cache_buffers + retained_buffers + compiled_buffers
         sample = None
         if found:  # an empty cache is no sample of growth
             sample = resident
@@ -814,7 +821,7 @@ class Watchdog:
             logger.warning(
                 "mlx-watchdog: resource limit forecast: %s (%s)",
                 forecast.describe(),
-                remedy(self.fix, self._fixer.fixed_once),
+                compiled.advice(forecast.leaks) or remedy(self.fix, self._fixer.fixed_once),
             )
 
     # ----------------------------------------------------------------- helpers
