@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from functools import partial
 
@@ -227,6 +228,29 @@ def test_a_compiled_function_that_dies_takes_its_entries_along(instrumented):
     assert record.entries == 0 and record not in registry.functions() and not record.alive
 
 
+def test_a_helper_fed_lazy_inputs_is_measured_on_a_replay_that_runs_none_of_its_code(instrumented, counter):
+    bodies = []
+
+    @mx.compile
+    def helper(x, scale):
+        bodies.append(x.shape)  # runs only when MLX traces
+        return mx.exp(x * 0.5) * scale + 2.0
+
+    live = []
+    for n in range(3, 3 + 12):
+        x = mx.ones((n,))
+        for _ in range(50):  # a long lazy graph in front of it, as a model's forward is
+            x = x + 1.0
+        y = helper(x, 3.0)
+        mx.eval(y)
+        del x, y
+        live.append(counter.live())
+    record = compiled.compiled_function(helper)
+    assert len(bodies) == record.traces == record.entries == 12  # the replays traced nothing
+    per_entry = (live[-1] - live[2]) / (len(live) - 3)
+    assert per_entry >= 1 and record.entry_buffers == per_entry
+
+
 # --------------------------------------------------------------------------- the leak, read
 
 
@@ -327,6 +351,26 @@ def test_a_training_step_is_watched_per_step_and_a_stop_saves_the_adapters_first
         assert np.array_equal(np.array(saved[key]), np.array(value)), key
     (watchdog,) = [wd for wd in _live() if wd.name == "Sequential"]
     assert watchdog.steps == last + 1 and watchdog.stops["forecast"] == 1
+
+
+def test_training_steps_seconds_apart_are_steps_not_pauses(instrumented, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])  # the watchdog's clock
+    assert training.instrument(walk_interval=0)
+    model, optimizer, state, train_step = training_step(seed=4)
+    for n in range(8, 8 + 12):
+        clock[0] += 5.0  # each step takes 5 s: more than the 3 s after which decode steps pause
+        loss = train_step(batch(n))
+        mx.eval(state, loss)
+    (watchdog,) = [wd for wd in _live() if wd.name == "Sequential"]
+    forecast = watchdog.forecast()
+    assert watchdog.steps == 12 and forecast.decoding and forecast.rate_known
+    assert forecast.step_rate == pytest.approx(1 / 5)
+    assert forecast.seconds_to_limit == pytest.approx(5 * forecast.steps_to_limit)
+    assert forecast.leaks[0].site == f"compiled:{__name__}.train_step"
+    del train_step
+    gc.collect()  # the step died: nothing steps now, and its pace is forgotten
+    assert not watchdog.forecast().decoding and watchdog.min_idle_seconds == 0
 
 
 def test_a_function_compiled_without_a_model_is_not_a_training_step(instrumented):

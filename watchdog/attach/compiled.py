@@ -221,6 +221,8 @@ def _traced(fun: Callable, calls: _Calls) -> Callable:
     """What MLX calls when it traces: the program's function, and the trace recorded."""
 
     def traced(*args, **kwargs):
+        if getattr(_local, "replaying", False):
+            raise _Refused  # a measurement's replay missed the cache: the program's code does not run
         depth = getattr(_local, "depth", 0)
         # Inside another trace or a transform MLX calls the function directly, keeping no entry.
         # The signature is MLX's: read before the function runs (it may add captured arrays,
@@ -232,7 +234,10 @@ def _traced(fun: Callable, calls: _Calls) -> Callable:
         finally:
             _local.depth = depth
         if signature is not None:
-            calls.traced(signature)
+            try:
+                calls.traced(signature)
+            except Exception as exc:
+                logger.debug("mlx-watchdog: a trace of %s is not counted: %r", calls.function.name, exc)
         return result
 
     return traced
@@ -348,12 +353,12 @@ class _Calls:
         hook = self.hook
         if hook is not None:
             hook.before()  # a stop raises here, before the step runs
-        snapshot = self._inputs(args, kwargs) if self.armed else None
+        inputs = self._inputs(args, kwargs) if self.armed else None
         function = self.function
         traces = function.traces
         result = compiled(*args, **kwargs)
-        if snapshot is not None and function.traces != traces:
-            self._measure(snapshot, result)
+        if inputs is not None and function.traces != traces:
+            self._measure(compiled, inputs, args, kwargs, result)
         if hook is not None:
             hook.after(result)
         return result
@@ -371,21 +376,25 @@ class _Calls:
                     self.armed = False
                     self.update()
                 return None
-            arrays = flat_arrays(args) + flat_arrays(kwargs)
-            if self.inputs is not None:
-                arrays += flat_arrays(self.inputs)
-            return arrays
+            if self.outputs is None:
+                return []  # measured on a replay of its own (_replay)
+            arrays = flat_arrays(args) + flat_arrays(kwargs) + flat_arrays(self.inputs)
+            return arrays if all(_evaluated(a) for a in arrays) else None
         except Exception as exc:
             self._error("inputs", exc)
             return None
 
-    def _measure(self, inputs: list, result: Any) -> None:
+    def _measure(self, compiled: Callable, inputs: list, args: tuple, kwargs: dict, result: Any) -> None:
+        """The buffers of the entry the call just made. With captured outputs (a training step,
+        its state evaluated), from the call's own outputs; else from a replay of the entry on
+        placeholder inputs: arguments that are lazy would make the walk cover their graphs (a
+        forward pass, when a model calls a compiled helper), and the replay's are a node each."""
         function = self.function
         try:
-            outputs = flat_arrays(result)
             if self.outputs is not None:
-                outputs += flat_arrays(self.outputs)  # the captured outputs, written by the call
-            buffers = registry.measure_entry(inputs, outputs)
+                buffers = registry.measure_entry(inputs, flat_arrays(result) + flat_arrays(self.outputs))
+            else:
+                buffers = self._replay(compiled, args, kwargs)
             if buffers is not None:
                 function.measured(buffers)
         except Exception as exc:
@@ -394,10 +403,66 @@ class _Calls:
             self.armed, self.idle = function.wants_measure(), 0
             self.update()
 
+    def _replay(self, compiled: Callable, args: tuple, kwargs: dict) -> int | None:
+        """The entry's constants, counted on a second call with placeholders (``mx.zeros`` of the
+        same shapes and dtypes, the other arguments as they were): the same signature, so MLX
+        replays the entry it just made and calls no Python code. Should it trace all the same,
+        the trace is refused before the program's function runs. Nothing is evaluated."""
+        module = _module
+        if module is None:
+            return None
+        placeholders: list = []
+        dummy_args = _placeholders(args, module, placeholders)
+        dummy_kwargs = _placeholders(kwargs, module, placeholders)
+        traces = self.function.traces
+        _local.replaying = True
+        try:
+            outputs = compiled(*dummy_args, **dummy_kwargs)
+        except _Refused:
+            return None
+        finally:
+            _local.replaying = False
+        if self.function.traces != traces:
+            return None
+        captured = flat_arrays(self.inputs) if self.inputs is not None else []
+        return registry.measure_entry(placeholders + captured, flat_arrays(outputs))
+
     def _error(self, where: str, exc: Exception) -> None:
         self.function.errors += 1
         if self.function.errors <= 1:
             logger.warning("mlx-watchdog: counting %s (%s) failed: %r", self.function.name, where, exc)
+
+
+class _Refused(Exception):
+    """A replay that would have traced: refused before the program's function runs."""
+
+
+def _evaluated(array: Any) -> bool:
+    """Does the array hold its buffer (evaluated)? O(1): MLX refuses a lazy one at once."""
+    module = _module
+    try:
+        module.get_array_buffer_size(array)  # type: ignore[union-attr]
+        return True
+    except Exception:
+        return False
+
+
+def _placeholders(tree: Any, module: types.ModuleType, made: list) -> Any:
+    """``tree`` with each array replaced by ``zeros`` of its shape and dtype (added to ``made``);
+    lists, tuples and dicts rebuilt, every other value as it was."""
+    if isinstance(tree, module.array):
+        zeros = module.zeros(tuple(tree.shape), dtype=tree.dtype)
+        made.append(zeros)
+        return zeros
+    if isinstance(tree, (list, tuple)):
+        items = [
+            _placeholders(item, module, made)
+            for item in (list(tree) if isinstance(tree, list) else tuple.__iter__(tree))
+        ]
+        return items if isinstance(tree, list) else tuple(items)
+    if isinstance(tree, dict):
+        return {key: _placeholders(value, module, made) for key, value in dict.items(tree)}
+    return tree
 
 
 # --------------------------------------------------------------------------- names

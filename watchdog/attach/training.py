@@ -37,9 +37,12 @@ message saying where the adapters are and how to resume.
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +51,8 @@ from . import compiled
 logger = logging.getLogger("mlx_watchdog")
 
 EXIT_STOPPED = 3  # the exit status of a training stopped before the limit (exit_on_stop)
+IDLE_STEPS = 8  # typical steps without a step: a pause (the core's rule for decode steps)
+GAPS_KEPT = 8  # the gaps between the last steps, for the typical one
 
 _lock = threading.RLock()
 _active = False
@@ -144,15 +149,24 @@ def training_model(inputs: Any, outputs: Any) -> Any:
     module = getattr(nn, "Module", None)
     if module is None:
         return None
-    items = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-    return next((item for item in items if isinstance(item, module)), None)
+    return next((item for item in _items(inputs) if isinstance(item, module)), None)
+
+
+def _items(inputs: Any) -> list:
+    """The top-level items of a captured tree: a list's or tuple's, a plain dict's values, or
+    the tree itself (a model given alone)."""
+    if isinstance(inputs, (list, tuple)):
+        return list(list.__iter__(inputs) if isinstance(inputs, list) else tuple.__iter__(inputs))
+    if type(inputs) is dict:
+        return list(dict.values(inputs))
+    return [inputs]
 
 
 def _on_compile(fun: Any, inputs: Any, outputs: Any) -> StepWatch | None:
     model = training_model(inputs, outputs)
     if model is None or not _active:
         return None
-    roots = [item for item in inputs if item is not model] if isinstance(inputs, (list, tuple)) else []
+    roots = [item for item in _items(inputs) if item is not model]
     return StepWatch(model, roots, _options, _watch, _exit_on_stop)
 
 
@@ -175,18 +189,35 @@ class StepWatch:
         self.watchdog: Any = None
         self.last: Any = None
         self.layout: tuple = ()
+        self.failed = False
+        self.called_at: float | None = None
+        self.gaps: collections.deque[float] = collections.deque(maxlen=GAPS_KEPT)
 
     def before(self) -> None:
-        watchdog = self.watchdog
-        if watchdog is None:
-            watchdog = self.watchdog = self._watchdog()
-        # The optimizer makes its state at its first update (an array per parameter and moment):
-        # a one-off, no growth. The series starts again once the state's layout settled.
-        layout = _layout(self.roots)
-        if layout != self.layout:
-            if self.layout:
-                watchdog.reset()
-            self.layout = layout
+        if self.failed:
+            return
+        try:
+            watchdog = self.watchdog
+            if watchdog is None:
+                watchdog = self.watchdog = self._watchdog()
+            # The optimizer makes its state at its first update (an array per parameter and
+            # moment): a one-off, no growth. The series starts again once the state's layout settled.
+            layout = _layout(self.roots)
+            if layout != self.layout:
+                if self.layout:
+                    watchdog.reset()
+                self.layout = layout
+            # A step may take seconds: 8 typical steps without one are a pause, not fewer (the
+            # median of the last gaps: a validation run between two steps is no typical step).
+            now = time.perf_counter()
+            if self.called_at is not None:
+                self.gaps.append(now - self.called_at)
+                watchdog.min_idle_seconds = IDLE_STEPS * statistics.median(self.gaps)
+            self.called_at = now
+        except Exception as exc:  # the training goes on, unwatched
+            self.failed = True
+            logger.warning("mlx-watchdog: a training step is not watched: %r", exc, exc_info=True)
+            return
         last, self.last = self.last, None
         try:
             watchdog.observe(self.roots, last_output=last)
@@ -201,6 +232,7 @@ class StepWatch:
         """The compiled step died (``train()`` returned): nothing steps now."""
         watchdog, self.last = self.watchdog, None
         if watchdog is not None:
+            watchdog.min_idle_seconds = 0.0
             watchdog.generation_ended()
 
     def _watchdog(self) -> Any:

@@ -199,6 +199,10 @@ class Watchdog:
         self.internal_errors = 0
         self.walks = 0
         self.stops: collections.Counter[str] = collections.Counter()
+        # A gap between two steps shorter than this is never idle: set by an attachment whose
+        # steps are known to be slow (a training step of several seconds: a first gap longer
+        # than IDLE_SECONDS would otherwise read as a pause, at every step).
+        self.min_idle_seconds = 0.0
 
         # What is attached to it: forecast() asks them for their readings.
         self._coordinator: Coordinator | None = None
@@ -910,7 +914,7 @@ class Watchdog:
 
     def _idle_seconds(self) -> float:
         # A slow decode (a big model on a slow host) is not idle between its steps.
-        return max(IDLE_SECONDS, 8 * self._seconds_per_step())
+        return max(IDLE_SECONDS, 8 * self._seconds_per_step(), self.min_idle_seconds)
 
     def _step_rate(self) -> float:
         if len(self._step_times) < 2:
