@@ -378,15 +378,19 @@ class _Calls:
                 return None
             if self.outputs is None:
                 return []  # measured on a replay of its own (_replay)
-            arrays = flat_arrays(args) + flat_arrays(kwargs) + flat_arrays(self.inputs)
-            return arrays if all(_evaluated(a) for a in arrays) else None
+            # Lazy arguments are walked too (a batch sliced or drawn for the step: small graphs);
+            # a lazy captured state would be the previous step's whole graph: not measured then.
+            captured = flat_arrays(self.inputs)
+            if not all(_evaluated(a) for a in captured):
+                return None
+            return flat_arrays(args) + flat_arrays(kwargs) + captured
         except Exception as exc:
             self._error("inputs", exc)
             return None
 
     def _measure(self, compiled: Callable, inputs: list, args: tuple, kwargs: dict, result: Any) -> None:
         """The buffers of the entry the call just made. With captured outputs (a training step,
-        its state evaluated), from the call's own outputs; else from a replay of the entry on
+        its captured state evaluated), from the call's own outputs; else from a replay of the entry on
         placeholder inputs: arguments that are lazy would make the walk cover their graphs (a
         forward pass, when a model calls a compiled helper), and the replay's are a node each."""
         function = self.function
