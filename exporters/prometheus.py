@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
 from .. import __version__
+from ..core import compiled
 from ..core.coordination import launch_rank
 from ..core.limits import backend, device_name
 from ..core.watchdog import Watchdog, live_watchdogs
@@ -173,6 +174,23 @@ _SPECS = (
         "gauge",
         'Leak sites summed into the site="other" series of the two leak families at this scrape '
         "(0 while every site has its own series; the exporter's max_sites bounds them).",
+    ),
+    _Spec(
+        "mlx_watchdog_compiled_signatures",
+        "gauge",
+        "Input signatures (array shapes and dtypes, other arguments) a function compiled with "
+        "mx.compile keeps a cache entry for, one series per function (the most signatures first, "
+        "at most the exporter's max_sites); process-wide, the same on every watchdog of the "
+        'process. A count that keeps growing is a leak: site="compiled:<function>" of '
+        "mlx_watchdog_leak_buffers_per_step.",
+        ("function",),
+    ),
+    _Spec(
+        "mlx_watchdog_compiled_entry_buffers",
+        "gauge",
+        "Buffers one cache entry of a compiled function keeps (the constants of its traced "
+        "graph), measured on its traces; process-wide. Times its signatures: what its cache holds.",
+        ("function",),
     ),
     _Spec(
         "mlx_watchdog_prefill_graph_nodes",
@@ -328,9 +346,11 @@ class WatchdogCollector:
         families = {spec.name: _family(spec, base) for spec in _SPECS}
         memory = _read_memory() if watchdogs else {}
         static = self._static_labels() if watchdogs else {}
+        functions = _read_compiled(self.max_sites) if watchdogs else []
         for wd in watchdogs:
             try:
                 rows = self._rows(wd, label_of[wd], with_rank, memory, static)
+                rows += _compiled_rows(functions, (label_of[wd],) + ((str(wd.rank),) if with_rank else ()))
             except Exception as exc:  # one broken watchdog must not break the scrape
                 _count_error(wd, exc)
                 # Its counters still go out: an alert on internal errors sees a watchdog whose
@@ -587,6 +607,38 @@ def _count_error(wd: Watchdog, exc: Exception) -> None:
         wd.record_internal_error("prometheus exporter", exc)
     except Exception:
         logger.warning("mlx-watchdog exporter: skipped watchdog %r: %r", wd, exc)
+
+
+def _read_compiled(limit: int) -> list[tuple[str, int, float | None]]:
+    """(function, signatures, buffers per entry) of the compiled functions that keep an entry,
+    the most signatures first, at most ``limit``; functions of one name summed."""
+    by_name: dict[str, list] = {}
+    try:
+        for function in compiled.functions():
+            entries = function.entries
+            if not entries:
+                continue
+            total = by_name.setdefault(function.name, [0, 0, False])
+            total[0] += entries
+            total[1] += function.buffers
+            total[2] = total[2] or function.entry_buffers is not None
+    except Exception as exc:
+        logger.debug("mlx-watchdog exporter: compiled functions unavailable: %r", exc)
+        return []
+    ranked = sorted(by_name.items(), key=lambda kv: (-kv[1][0], kv[0]))[:limit]
+    return [
+        (name, entries, buffers / entries if measured else None)
+        for name, (entries, buffers, measured) in ranked
+    ]
+
+
+def _compiled_rows(functions: list[tuple[str, int, float | None]], base: tuple) -> list[tuple]:
+    rows: list[tuple] = []
+    for name, signatures, per_entry in functions:
+        rows.append(("mlx_watchdog_compiled_signatures", base + (name,), float(signatures)))
+        if per_entry is not None:
+            rows.append(("mlx_watchdog_compiled_entry_buffers", base + (name,), float(per_entry)))
+    return rows
 
 
 def _read_memory() -> dict[str, float]:

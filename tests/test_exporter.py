@@ -83,6 +83,8 @@ GAUGES = {
     "mlx_watchdog_last_stop_timestamp_seconds",
     "mlx_watchdog_last_stop_steps_to_limit",
     "mlx_watchdog_last_stop_leak_buffers_per_step",
+    "mlx_watchdog_compiled_signatures",
+    "mlx_watchdog_compiled_entry_buffers",
 }
 COUNTERS = {  # sample names; the family names lack "_total"
     "mlx_watchdog_steps_total",
@@ -97,6 +99,8 @@ EXTRA_LABELS = {
     "mlx_watchdog_leak_buffers_per_step": {"site"},
     "mlx_watchdog_fixed_leak_buffers_per_step": {"site"},
     "mlx_watchdog_bounded_site_peak_buffers": {"site"},
+    "mlx_watchdog_compiled_signatures": {"function"},
+    "mlx_watchdog_compiled_entry_buffers": {"function"},
     "mlx_watchdog_stops_total": {"reason"},
     "mlx_watchdog_last_stop_timestamp_seconds": {"reason"},
     "mlx_watchdog_last_stop_steps_to_limit": {"reason"},
@@ -240,7 +244,17 @@ def test_promtool_check_metrics_has_no_findings(leaky, flat, fixed, sawtooth, re
     prefill.prefill_guard = types.SimpleNamespace(graph_nodes=149_000, safe_tokens=900)
     prefill.record_stop("forecast", leaky.wd.forecast())  # a forecast with a leak site
     prefill.record_stop("coordinator")
-    text = generate_latest(registry)
+    # a compiled function that keeps a cache entry of 3 buffers (its families are the process's)
+    from mlx_watchdog.core import compiled
+
+    scaled = compiled.CompiledFunction("exp.scaled")
+    scaled.traced(("signature",), 0)
+    scaled.measured(3)
+    compiled.register(scaled)
+    try:
+        text = generate_latest(registry)
+    finally:
+        compiled.unregister(scaled)
     names = {s.name for f in text_string_to_metric_families(text.decode()) for s in f.samples}
     assert exporter.exposed_metric_names() <= names, "every family should have a sample here"
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
@@ -277,6 +291,8 @@ def test_names_types_help_and_labels(leaky, flat):
                 "mlx_watchdog_bounded_site_peak_buffers",
                 "mlx_watchdog_prefill_graph_nodes",
                 "mlx_watchdog_max_safe_prefill_tokens",
+                "mlx_watchdog_compiled_signatures",  # while a compiled function keeps an entry
+                "mlx_watchdog_compiled_entry_buffers",
             }
             - LAST_STOP
         ):

@@ -268,13 +268,18 @@ def test_nothing_of_mlx_or_the_core_is_imported_before_the_program_imports_mlx_l
     ]
     assert heavy == []
     ours = {m for m in before if m.startswith("mlx_watchdog")}
-    # The instrumentor and its bootstrap (standard library only), and the options' bounds (the same).
+    # The instrumentors and the bootstrap (standard library only), the options' bounds and the
+    # registry of compiled functions (the same).
     assert ours == {
         "mlx_watchdog",
         "mlx_watchdog.attach",
+        "mlx_watchdog.attach.compiled",
+        "mlx_watchdog.attach.imports",
         "mlx_watchdog.attach.loaders",
+        "mlx_watchdog.attach.training",
         "mlx_watchdog.bootstrap",
         "mlx_watchdog.core",
+        "mlx_watchdog.core.compiled",
         "mlx_watchdog.core.options",
     }, ours
     assert report["wrapped"] == "mlx_lm.utils"  # patched right after the program imported it
@@ -440,10 +445,12 @@ def test_sigterm_and_sighup_reach_the_program(tmp_path, signame, status):
 
 
 def test_instrument_and_uninstrument_restore_the_loaders_and_the_model(model_dirs, clean_instrumentation):
+    import mlx.core as mx
     import mlx_lm
     import mlx_lm.utils
 
     original = mlx_lm.utils.load_model
+    original_compile = mx.compile
     plain, _ = mlx_lm.load(str(model_dirs["qwen"]))
     original_class = type(plain)
     finders = list(sys.meta_path)
@@ -451,6 +458,7 @@ def test_instrument_and_uninstrument_restore_the_loaders_and_the_model(model_dir
     instrumentor = mlx_watchdog.instrument(fix=True)
     assert mlx_watchdog.instrument(fix=True) is instrumentor  # idempotent
     assert mlx_lm.utils.load_model is not original and mlx_lm.utils.load_model.__wrapped__ is original
+    assert mx.compile is not original_compile and mx.compile.__wrapped__ is original_compile  # training steps
     model, _ = mlx_lm.load(str(model_dirs["qwen"]))
     assert type(model) is not original_class and isinstance(model, original_class)
     (watchdog,) = instrumentor.watchdogs()
@@ -458,7 +466,7 @@ def test_instrument_and_uninstrument_restore_the_loaders_and_the_model(model_dir
     assert watchdog in mlx_watchdog.live_watchdogs()
 
     mlx_watchdog.uninstrument()
-    assert mlx_lm.utils.load_model is original
+    assert mlx_lm.utils.load_model is original and mx.compile is original_compile
     assert type(model) is original_class and watched_state(model) is None
     assert watchdog not in mlx_watchdog.live_watchdogs()
     assert sys.meta_path == finders

@@ -70,10 +70,14 @@ _current: Instrumentor | None = None
 _watchdog_class: type | None = None
 
 
-def instrument(*, on_watch: OnWatch | None = None, **options: Any) -> Instrumentor:
+def instrument(
+    *, on_watch: OnWatch | None = None, exit_on_training_stop: bool = False, **options: Any
+) -> Instrumentor:
     """Watch every model loaded from now on through ``mlx_lm.utils.load_model`` or
     ``mlx_vlm.utils.load_model`` (and the loaders that call them: ``mlx_lm.load``,
-    ``mlx_vlm.load``, servers built on them), each with a ``Watchdog(**options)`` of its own.
+    ``mlx_vlm.load``, servers built on them), each with a ``Watchdog(**options)`` of its own,
+    and every training step compiled from now on (``training.py``: mlx-lm's trainer, step by step;
+    a stop saves the adapters, then raises, or with ``exit_on_training_stop`` exits the process).
 
     ``on_watch(model, watchdog)`` is called after each model is watched (``model`` is the
     object observed: for mlx-vlm its ``language_model``). Idempotent: while instrumented, a
@@ -85,13 +89,17 @@ def instrument(*, on_watch: OnWatch | None = None, **options: Any) -> Instrument
         raise ValueError(f"on_watch must be callable, got {on_watch!r}")
     with _lock:
         if _current is not None:
-            if checked != _current.options or on_watch is not _current.on_watch:
+            if (
+                checked != _current.options
+                or on_watch is not _current.on_watch
+                or bool(exit_on_training_stop) != _current.exit_on_training_stop
+            ):
                 logger.warning(
                     "mlx-watchdog: already instrumented; the options of this instrument() call "
                     "are ignored (uninstrument() first to change them)"
                 )
             return _current
-        current = Instrumentor(checked, on_watch)
+        current = Instrumentor(checked, on_watch, exit_on_training_stop=exit_on_training_stop)
         current.start()
         _current = current
         return current
@@ -116,9 +124,13 @@ def instrumentor() -> Instrumentor | None:
 class Instrumentor:
     """What :func:`instrument` runs: the wrapped loaders, the import hook and the models watched."""
 
-    def __init__(self, options: dict[str, Any], on_watch: OnWatch | None = None):
+    def __init__(
+        self, options: dict[str, Any], on_watch: OnWatch | None = None, *, exit_on_training_stop: bool = False
+    ):
         self.options = dict(options)
         self.on_watch = on_watch
+        self.exit_on_training_stop = bool(exit_on_training_stop)
+        self._training = False  # whether training.instrument() was ours to undo
         self.errors = 0  # failures after a loader returned: logged, never raised
         self.active = False
         self._finder = _PostImportFinder(self)
@@ -140,6 +152,11 @@ class Instrumentor:
                 module = sys.modules.get(name)
                 if module is not None:
                     self.patch(module)
+            from . import training
+
+            self._training = training.instrument(
+                watch=self.watch_trained, exit_on_stop=self.exit_on_training_stop, **self.options
+            )
 
     def stop(self) -> None:
         with self._lock:
@@ -152,6 +169,11 @@ class Instrumentor:
                 if module.__dict__.get(LOADER) is wrapper:
                     setattr(module, LOADER, original)
             watched, self._watched = self._watched, {}
+            if self._training:
+                from . import training
+
+                training.uninstrument()
+                self._training = False
         from .model import unwatch_model, watched_state
 
         for ref, watchdog, finalizer in watched.values():
@@ -242,6 +264,16 @@ class Instrumentor:
         )
         if self.on_watch is not None:
             self.on_watch(model, watchdog)
+        return watchdog
+
+    def watch_trained(self, model: Any) -> Any:
+        """The watchdog of a model a training step trains: its own, or a new one (``watch``)."""
+        from .model import watched_state
+
+        watchdog = self.watch(model)
+        if watchdog is None:
+            state = watched_state(model)
+            watchdog = state.watchdog if state is not None else None
         return watchdog
 
     def _retire(self, token: int) -> None:

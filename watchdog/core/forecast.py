@@ -28,6 +28,9 @@ class Leak:
     # The program itself cuts some of this site's chains now and then (a sawtooth), and the rest
     # grows: buffers_per_step is the growth of what it never cuts, not of a chain between two cuts.
     sawtooth: bool = False
+    # A compiled function's site ("compiled:module.function", compiled.py): the input signatures
+    # its cache keeps (an entry each); None for any other site.
+    signatures: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,7 @@ class Forecast:
                 f"{leak.site} +{leak.buffers_per_step:.3g}/step"
                 + (" (cut by the fix)" if leak.cut else "")
                 + (" (its peaks; the program cuts it now and then)" if leak.sawtooth else "")
+                + (f" ({leak.signatures} input signatures compiled)" if leak.signatures is not None else "")
                 + (f" [{leak.source}]" if leak.source else "")
                 for leak in self.leaks[:3]
             )

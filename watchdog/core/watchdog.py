@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import allocator, clock, graph
+from . import allocator, clock, compiled, graph
 from . import forecast as fc
 from .actions import ResourceLimitForecast, Stop, Warnings, remedy
 from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all, steps_key
@@ -200,6 +200,10 @@ class Watchdog:
         self.stops: collections.Counter[str] = collections.Counter()
         self._last_stops: dict[str, Stop] = {}  # the last stop of each reason
         self._held_stop: Stop | None = None  # see held_stop
+        # A gap between two steps shorter than this is never idle: set by an attachment whose
+        # steps are known to be slow (a training step of several seconds: a first gap longer
+        # than IDLE_SECONDS would otherwise read as a pause, at every step).
+        self.min_idle_seconds = 0.0
 
         # What is attached to it: forecast() asks them for their readings.
         self._coordinator: Coordinator | None = None
@@ -407,7 +411,7 @@ class Watchdog:
                 buffers_per_step=max(0.0, rate),
                 steps_to_limit=stl,
                 seconds_to_limit=fc.seconds_from_steps(stl, step_rate),
-                leaks=self._attribution.annotate(growth.leaks),
+                leaks=compiled.annotate(self._attribution.annotate(growth.leaks)),
                 step_rate=step_rate,
                 source="estimate" if self._counter is None else self._counter.name,
                 parameter_buffers=self._parameter_buffers,
@@ -695,12 +699,19 @@ class Watchdog:
 
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers
+        # The compiled functions' cache entries (compiled.py): process-wide, held outside any
+        # cache. Not in a probe's reading: the fix cuts none of them.
+        compiled_buffers = 0
+        for compiled_site, (buffers, entries) in compiled.tallies().items():
+            compiled_buffers += buffers
+            if probe is None:
+                sites[compiled_site] = SiteTally(held=buffers, arrays=entries)
         mlx_cached = 0
         if self._counter is not None:  # MLX's own count: live buffers grow, cached ones are reserved
             live, mlx_cached = self._counter.read()
             resident = float(live)
         else:
-            resident = self._parameter_buffers + cache_buffers + retained_buffers
+            resident = self._parameter_buffers + cache_buffers + retained_buffers + compiled_buffers
         sample = None
         if found:  # an empty cache is no sample of growth
             sample = resident
@@ -855,7 +866,7 @@ class Watchdog:
             logger.warning(
                 "mlx-watchdog: resource limit forecast: %s (%s)",
                 forecast.describe(),
-                remedy(self.fix, self._fixer.fixed_once),
+                compiled.advice(forecast.leaks) or remedy(self.fix, self._fixer.fixed_once),
             )
 
     # ----------------------------------------------------------------- helpers
@@ -948,7 +959,7 @@ class Watchdog:
 
     def _idle_seconds(self) -> float:
         # A slow decode (a big model on a slow host) is not idle between its steps.
-        return max(IDLE_SECONDS, 8 * self._seconds_per_step())
+        return max(IDLE_SECONDS, 8 * self._seconds_per_step(), self.min_idle_seconds)
 
     def _step_rate(self) -> float:
         if len(self._step_times) < 2:
