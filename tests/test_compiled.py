@@ -14,7 +14,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import time
 import types
 from functools import partial
 
@@ -353,13 +352,11 @@ def test_a_training_step_is_watched_per_step_and_a_stop_saves_the_adapters_first
     assert watchdog.steps == last + 1 and watchdog.stops["forecast"] == 1
 
 
-def test_training_steps_seconds_apart_are_steps_not_pauses(instrumented, monkeypatch):
-    clock = [1000.0]
-    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])  # the watchdog's clock
+def test_training_steps_seconds_apart_are_steps_not_pauses(instrumented, fake_clock):
     assert training.instrument(walk_interval=0)
     model, optimizer, state, train_step = training_step(seed=4)
     for n in range(8, 8 + 12):
-        clock[0] += 5.0  # each step takes 5 s: more than the 3 s after which decode steps pause
+        fake_clock.now += 5.0  # each step takes 5 s: more than the 3 s after which decode steps pause
         loss = train_step(batch(n))
         mx.eval(state, loss)
     (watchdog,) = [wd for wd in _live() if wd.name == "Sequential"]

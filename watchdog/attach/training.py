@@ -42,10 +42,10 @@ import logging
 import statistics
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from ..core import clock
 from . import compiled
 
 logger = logging.getLogger("mlx_watchdog")
@@ -209,7 +209,7 @@ class StepWatch:
                 self.layout = layout
             # A step may take seconds: 8 typical steps without one are a pause, not fewer (the
             # median of the last gaps: a validation run between two steps is no typical step).
-            now = time.perf_counter()
+            now = clock.wall()  # the watchdog's clock
             if self.called_at is not None:
                 self.gaps.append(now - self.called_at)
                 watchdog.min_idle_seconds = IDLE_STEPS * statistics.median(self.gaps)
