@@ -20,7 +20,7 @@ the background): with SIGINT ignored. ``--load N`` runs N busy loops (niced) bes
     python benchmarks/serve_shutdown.py --runs 50 --load 2 --out results/serve_shutdown.md
     git archive BASE watchdog | tar -x -C /tmp/base
     python benchmarks/serve_shutdown.py --runs 50 --source /tmp/base
-    python benchmarks/serve_shutdown.py --runs 1            # seconds: what the tests run
+    python benchmarks/serve_shutdown.py --runs 1 --signals SIGINT   # one run: what the tests run
 
 Failed runs keep their output in ``--logs`` (a temporary folder by default).
 """

@@ -180,3 +180,20 @@ def test_scrape_pause_benchmark_runs():
     results = json.loads(text)
     assert results["paired"]["step_median_ms"] > 0 and results["blocks"] and results["gil_probe"]
     assert "ArraysCache.left_padding" in results["forecast_at_end"]  # the leak was live while it scraped
+
+
+def test_serve_shutdown_benchmark_runs(tmp_path):
+    # One server started as a shell's background job (SIGINT ignored), stopped by SIGINT: clean.
+    text = _run_script(
+        "serve_shutdown.py",
+        "--runs",
+        "1",
+        "--signals",
+        "SIGINT",
+        "--inherit-sigint",
+        "ignored",
+        "--logs",
+        str(tmp_path),
+    )
+    (row,) = [line for line in text.splitlines() if line.startswith("| SIGINT |")]
+    assert [cell.strip() for cell in row.split("|")[2:7]] == ["1", "1", "0", "0", "0"], text
