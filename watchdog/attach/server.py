@@ -402,11 +402,26 @@ def stop_response(response_class: type, last: Any) -> Any:
 def _clear_thread_streams() -> None:
     """Free the calling thread's MLX state: its streams and, from mlx 0.32, its random key and
     compile cache. Their C++ ``thread_local`` destructors take the GIL when the thread exits
-    (after ``Thread.join()`` has returned); freed here, they have nothing left to release."""
+    (after ``Thread.join()`` has returned); freed here, they have nothing left to release.
+
+    mlx 0.31 clears a thread's compile cache only from the cleanup that the thread's first
+    ``mx.compile`` call registers. A thread that ran compiled functions made on another thread
+    (a model module imported by the main thread) has none, and its cache's destructor releases
+    Python objects without the GIL at the thread's exit: "PyThreadState_Get: the function must
+    be called with the GIL held", abort. One ``mx.compile`` call here clears the cache now and
+    registers that cleanup (on mlx 0.32 it only makes a compiled function, dropped at once)."""
+    try:
+        mx.compile(_same)
+    except Exception as exc:
+        logger.debug("mlx-watchdog serve: mx.compile() failed: %r", exc)
     try:
         mx.clear_streams()
     except Exception as exc:  # an MLX without it, or a stream still in use: exit as before
         logger.debug("mlx-watchdog serve: mx.clear_streams() failed: %r", exc)
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 # How long detach() waits for a generation thread to be gone (it exits within milliseconds).
