@@ -251,3 +251,20 @@ def test_evaluated_check_benchmark_runs():
     for r in rows:  # the watchdog's resident buffers against the workload's own count
         read, truth = r[9].split("/")
         assert int(read) == int(truth) == 3 * (50 + 8 + 1) + 3, r
+
+
+def test_serve_shutdown_benchmark_runs(tmp_path):
+    # One server started as a shell's background job (SIGINT ignored), stopped by SIGINT: clean.
+    text = _run_script(
+        "serve_shutdown.py",
+        "--runs",
+        "1",
+        "--signals",
+        "SIGINT",
+        "--inherit-sigint",
+        "ignored",
+        "--logs",
+        str(tmp_path),
+    )
+    (row,) = [line for line in text.splitlines() if line.startswith("| SIGINT |")]
+    assert [cell.strip() for cell in row.split("|")[2:7]] == ["1", "1", "0", "0", "0"], text
