@@ -268,8 +268,8 @@ def test_nothing_of_mlx_or_the_core_is_imported_before_the_program_imports_mlx_l
     ]
     assert heavy == []
     ours = {m for m in before if m.startswith("mlx_watchdog")}
-    # The instrumentors and the bootstrap (standard library only), the options' bounds and the
-    # registry of compiled functions (the same).
+    # The instrumentors and the bootstrap (standard library only), the options' bounds, the
+    # registry of compiled functions and the clock (the same).
     assert ours == {
         "mlx_watchdog",
         "mlx_watchdog.attach",
@@ -279,6 +279,7 @@ def test_nothing_of_mlx_or_the_core_is_imported_before_the_program_imports_mlx_l
         "mlx_watchdog.attach.training",
         "mlx_watchdog.bootstrap",
         "mlx_watchdog.core",
+        "mlx_watchdog.core.clock",
         "mlx_watchdog.core.compiled",
         "mlx_watchdog.core.options",
     }, ours
