@@ -33,7 +33,6 @@ just failed; these watchdogs forget it when they raise (``reset()``) and measure
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import logging
 import sys
 import threading
@@ -42,6 +41,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
 from typing import Any
+
+from .imports import PostImportHook
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -133,7 +134,7 @@ class Instrumentor:
         self._training = False  # whether training.instrument() was ours to undo
         self.errors = 0  # failures after a loader returned: logged, never raised
         self.active = False
-        self._finder = _PostImportFinder(self)
+        self._finder = PostImportHook(TARGETS, self._patch_imported)
         # module name -> (module, original loader, our wrapper)
         self._patched: dict[str, tuple[types.ModuleType, Callable, Callable]] = {}
         # token -> (the model, weakly; its watchdog; what retires it when the model dies)
@@ -146,8 +147,7 @@ class Instrumentor:
     def start(self) -> None:
         with self._lock:
             self.active = True
-            if self._finder not in sys.meta_path:
-                sys.meta_path.insert(0, self._finder)
+            self._finder.install()
             for name in TARGETS:
                 module = sys.modules.get(name)
                 if module is not None:
@@ -161,8 +161,7 @@ class Instrumentor:
     def stop(self) -> None:
         with self._lock:
             self.active = False
-            while self._finder in sys.meta_path:
-                sys.meta_path.remove(self._finder)
+            self._finder.remove()
             patched, self._patched = self._patched, {}
             for module, original, wrapper in patched.values():
                 # Someone who wrapped it after us keeps their wrapper (ours then only passes through).
@@ -276,69 +275,20 @@ class Instrumentor:
             watchdog = state.watchdog if state is not None else None
         return watchdog
 
+    def _patch_imported(self, module: types.ModuleType) -> None:
+        """A module of ``TARGETS`` just executed (the import hook): wrap its loader."""
+        try:
+            self.patch(module)
+        except Exception as exc:  # the import succeeded; the program goes on unwatched
+            self.errors += 1
+            logger.warning("mlx-watchdog: cannot wrap %s.%s: %r", module.__name__, LOADER, exc)
+
     def _retire(self, token: int) -> None:
         """The model died: its watchdog leaves the exporters and the instrumentor."""
         with self._lock:
             entry = self._watched.pop(token, None)
         if entry is not None:
             entry[1].export = False
-
-
-# --------------------------------------------------------------------------- the import hook
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """First on ``sys.meta_path``: finds a module of ``TARGETS`` through the finders after it and
-    hands it a loader that patches the module right after it executes."""
-
-    def __init__(self, instrumentor: Instrumentor):
-        self._instrumentor = instrumentor
-        self._finding = threading.local()
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in TARGETS or getattr(self._finding, "active", False):
-            return None
-        self._finding.active = True
-        try:
-            spec = None
-            for finder in list(sys.meta_path):
-                find = getattr(finder, "find_spec", None)
-                if finder is self or find is None:
-                    continue
-                spec = find(fullname, path, target)
-                if spec is not None:
-                    break
-        finally:
-            self._finding.active = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        spec.loader = _PatchAfterExec(spec.loader, self._instrumentor)
-        return spec
-
-
-class _PatchAfterExec(importlib.abc.Loader):
-    """Runs the module's own loader, then the patch. The module keeps its own loader."""
-
-    def __init__(self, loader: Any, instrumentor: Instrumentor):
-        self.loader = loader
-        self._instrumentor = instrumentor
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        module.__loader__ = self.loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self.loader
-        self.loader.exec_module(module)
-        try:
-            self._instrumentor.patch(module)
-        except Exception as exc:  # the import succeeded; the program goes on unwatched
-            self._instrumentor.errors += 1
-            logger.warning("mlx-watchdog: cannot wrap %s.%s: %r", module.__name__, LOADER, exc)
-
-    def __getattr__(self, name):  # get_source, get_filename, ... of the real loader
-        return getattr(self.loader, name)
 
 
 # --------------------------------------------------------------------------- helpers
