@@ -5,13 +5,14 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 MLX_LM_VERSION = $(shell $(PY) -c "import importlib.metadata as m; print(m.version('mlx-lm'))")
 MLX_LM_SDIST   := .cache/mlx-lm-sdist
-# The second run of the version-sensitive tests: mlx-lm 0.31.3, the line vllm-mlx, Rapid-MLX and
-# mlx-openai-server pin, in a venv of its own built by uv from PyPI (~20 s; pip takes ~3 min).
-MLX_LM_031      := .venv-mlx-lm-031
-MLX_LM_031_PIN  := mlx-lm==0.31.3
-MLX_LM_031_TESTS := tests/test_core.py tests/test_attach.py tests/test_fix.py tests/test_readings.py tests/test_serve.py tests/test_tiny.py
+# The second run of the version-sensitive tests: the oldest versions supported, mlx 0.31.2 and
+# mlx-lm 0.31.3 (the lines mlx-openai-server and mlx-omni-server pin mlx to, and vllm-mlx, Rapid-MLX
+# and mlx-openai-server mlx-lm), in a venv of its own built by uv from PyPI (~20 s; pip ~3 min).
+MLX_031       := .venv-mlx-031
+MLX_031_PINS  := mlx==0.31.2 mlx-lm==0.31.3
+MLX_031_TESTS := tests/test_core.py tests/test_graph.py tests/test_attach.py tests/test_fix.py tests/test_readings.py tests/test_serve.py tests/test_tiny.py
 
-.PHONY: demo test test-mlx-lm-031 test-peers lint typecheck docs docs-image system-deps sdist bench clean
+.PHONY: demo test test-mlx-031 test-peers lint typecheck docs docs-image system-deps sdist bench clean
 
 # uv installs what pip would, in seconds instead of minutes (pip stays in the venv for the tests).
 $(STAMP): pyproject.toml
@@ -53,30 +54,32 @@ sdist: $(MLX_LM_SDIST)/.done
 
 # lint and typecheck first: CI fails on them before the tests run (and before minutes of tests).
 test: lint typecheck system-deps $(STAMP) sdist
-	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_peers.py
-	$(MAKE) test-mlx-lm-031
+	MLX_LM_SDIST=$(MLX_LM_SDIST) $(PY) -m pytest -q -p no:cacheprovider --ignore=tests/test_peers.py \
+	    --ignore=tests/test_peers_rapid.py
+	$(MAKE) test-mlx-031
 	$(MAKE) test-peers
 
-# The same package, its test extras and mlx-lm pinned to 0.31.3 (uv comes with the test extras).
-$(MLX_LM_031)/.installed: pyproject.toml $(STAMP)
-	rm -rf $(MLX_LM_031)
-	$(VENV)/bin/uv venv -q --python $(PY) $(MLX_LM_031)
-	VIRTUAL_ENV=$(MLX_LM_031) $(VENV)/bin/uv pip install -q -e '.[test]' '$(MLX_LM_031_PIN)'
+# The same package and its test extras, mlx and mlx-lm pinned (uv comes with the test extras).
+$(MLX_031)/.installed: pyproject.toml $(STAMP)
+	rm -rf $(MLX_031)
+	$(VENV)/bin/uv venv -q --python $(PY) $(MLX_031)
+	VIRTUAL_ENV=$(MLX_031) $(VENV)/bin/uv pip install -q -e '.[test]' $(MLX_031_PINS)
 	touch $@
 
-# Tests marked mlx_lm_neutral (MLX alone, or the machine under load) ran once, in the main run.
-test-mlx-lm-031: $(MLX_LM_031)/.installed
-	$(MLX_LM_031)/bin/python -c "import mlx_lm; assert mlx_lm.__version__.startswith('0.31.'), mlx_lm.__version__"
-	$(MLX_LM_031)/bin/python -m pytest -q -p no:cacheprovider -m "not mlx_lm_neutral" $(MLX_LM_031_TESTS)
+# Tests marked mlx_lm_neutral (the machine under load, or MLX's export at depth) ran once, in the main run.
+test-mlx-031: $(MLX_031)/.installed
+	$(MLX_031)/bin/python -c "import mlx.core as mx, mlx_lm; assert (mx.__version__, mlx_lm.__version__) == ('0.31.2', '0.31.3')"
+	$(MLX_031)/bin/python -m pytest -q -p no:cacheprovider -m "not mlx_lm_neutral" $(MLX_031_TESTS)
 
-# The servers users run (vllm-mlx, mlx-vlm's server), from PyPI, in an environment of their own
-# cached outside the clone (tests/peers/envs.py, ~/.cache/mlx-watchdog/peers), then their
+# The servers users run (vllm-mlx, mlx-vlm's server; Rapid-MLX), from PyPI, in environments of
+# their own cached outside the clone (tests/peers/envs.py, ~/.cache/mlx-watchdog/peers: one for
+# vllm-mlx and mlx-vlm, one for Rapid-MLX, whose module is named vllm_mlx too), then their
 # end-to-end tests under `mlx-watchdog run`, and the check of mlx-vlm's own cache-evaluation
 # cadence against its source (the main run skips it where the environment is not built yet). A
 # failed install fails under CI=true; elsewhere the tests skip loudly.
 test-peers: $(STAMP)
 	$(PY) tests/peers/envs.py || [ "$$CI" != true ]
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_peers.py \
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_peers.py tests/test_peers_rapid.py \
 	    tests/test_sawtooth.py::test_the_cadence_reproduced_is_mlx_vlm_s_own
 
 # ruff (lint and format) and mypy, as configured in pyproject.toml. mypy reads the package through
@@ -102,9 +105,10 @@ bench: $(STAMP)
 	    --variants unwatched,aa,fix,every256,handfix --compare fix:every256,fix:handfix --time-box 900 \
 	    --jsonl $(BENCH_OUT)/speed_long.jsonl --out $(BENCH_OUT)/speed_long.md
 	$(PY) benchmarks/observe_stall.py --out $(BENCH_OUT)/observe_stall.md
+	$(PY) benchmarks/evaluated_check.py --out $(BENCH_OUT)/evaluated_check.md
 	$(PY) benchmarks/scrape_pause.py --json $(BENCH_OUT)/scrape_pause.json
 	$(PY) benchmarks/prefill_cost.py > $(BENCH_OUT)/prefill_cost.md
 	$(VENV)/bin/mlx-watchdog scan --jobs 2 --quiet --markdown $(BENCH_OUT)/scan.md --json > $(BENCH_OUT)/scan.json
 
 clean:
-	rm -rf $(VENV) $(MLX_LM_031) .cache build site *.egg-info
+	rm -rf $(VENV) $(MLX_031) .venv-mlx-lm-031 .cache build site *.egg-info

@@ -16,9 +16,14 @@ around each forward pass differs:
 * ``fixlow``          ``fix`` with a walk budget (``overhead_budget``) of 0.25% instead of 1%
 * ``wrapped``         diagnostic: ``watch_model`` with an observe() that does nothing (the model
                       wrapper's own cost)
-* ``nowalk``          diagnostic: ``watched`` with walks switched off (observe()'s per-step bookkeeping)
+* ``nowalk``          diagnostic: ``watched`` with its walks switched off (``Schedule.switch_off``):
+                      observe()'s per-step path alone, what a step that neither walks nor fixes runs
 * ``subclass``        diagnostic: the model's instance given a subclass of its class that overrides
                       nothing (what a per-instance class costs, without watch_model's ``__call__``)
+
+A watchdog's internal error (caught and counted in ``internal_errors``, the decode goes on) means a
+variant measured an error path, not what it names: ``Run.internal_errors`` carries the count, and
+``paired_speed.py`` fails on any.
 
 Needs only mlx, mlx-lm, numpy and mlx_watchdog (no prometheus/psutil/rich).
 """
@@ -219,14 +224,14 @@ def watchdog_for(variant: str) -> Watchdog | None:
         return Watchdog(export=False, fix=True, overhead_budget=LOW_BUDGET)
     if variant.startswith("fix") and variant[3:].isdigit():
         return Watchdog(export=False, fix=True, fix_every=int(variant[3:]))
-    # Diagnostics that take the watchdog apart (instance attributes shadow its methods; benchmark only)
-    if variant == "wrapped":
+    # Diagnostics that take the watchdog apart (benchmark only)
+    if variant == "wrapped":  # an instance attribute shadows observe(): the model wrapper alone
         wd = Watchdog(export=False)
-        shadow(wd, "observe", lambda roots, **kwargs: None)
+        shadow(wd, "observe", lambda *args, **kwargs: None)
         return wd
     if variant == "nowalk":  # no walk is ever due: observe()'s per-step path alone
         wd = Watchdog(export=False)
-        shadow(wd._schedule, "due", lambda step: False)
+        wd._schedule.switch_off()
         return wd
     return None
 
@@ -349,6 +354,7 @@ class Decode:
         if self.wd is not None:
             run.overhead_seconds = self.wd.overhead_seconds - self.overhead0
             run.walks = self.wd.walks
+            run.internal_errors = self.wd.internal_errors  # over its whole life, the untimed steps too
         run.retained_at_end = _retained(self.live_cache())  # walked after the timed chunks
         if self.path == "plain":
             self._steps.close()
@@ -366,9 +372,15 @@ class Run:
     cpu_seconds: float  # process CPU time (all threads) over the same chunks
     overhead_seconds: float | None = None  # wd.overhead_seconds over the timed decode
     walks: int | None = None
+    internal_errors: int | None = None  # the watchdog's own errors (caught): any one voids the run
     retained_at_end: int | None = None  # buffers the cache's pending graphs keep at the end
     outputs: list | None = None
     gc_seconds: float = 0.0  # in Python's garbage collector during the timed chunks
+
+
+def internal_errors(runs: list[Run]) -> dict[str, int]:
+    """The variants whose watchdog had internal errors, with their counts (none: a clean run)."""
+    return {r.variant: r.internal_errors for r in runs if r.internal_errors}
 
 
 def _retained(cache) -> int:

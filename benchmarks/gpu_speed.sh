@@ -16,9 +16,11 @@
 #            the instances' own +/-1% averages out over many): unwatched, A/A, watched, fix,
 #            taking one-step turns
 #   wrapper  steady's model and design with the watchdog taken apart: watch_model with an
-#            observe() that does nothing (wrapped), observe() without walks (nowalk), watched,
-#            fix; nowalk against wrapped is the per-step path, watched against nowalk the walks
-#            (~8 minutes)
+#            observe() that does nothing (wrapped), observe() with its walks switched off (nowalk),
+#            watched, fix; nowalk against wrapped is the per-step path, watched against nowalk the
+#            walks (~8 minutes)
+# A part fails (exit 1) as soon as any variant's watchdog had an internal error: that variant
+# measured an error path, not itself.
 # TIME_BOX (seconds, default 540) ends a part cleanly; EXTRA adds arguments to every run.
 # Merge calls: python benchmarks/paired_speed.py --report $OUT/steady.jsonl other/steady.jsonl
 set -euo pipefail

@@ -764,6 +764,11 @@ def run(args) -> int:
                     res["round"] = r
                     if "error" in res:
                         errors.append(f"round {r + 1}, {workload}, {v}:\n{res['error']}")
+                    elif res.get("internal_errors"):  # an error path measured under its name: fails
+                        errors.append(
+                            f"round {r + 1}, {workload}, {v}: {res['internal_errors']} internal errors "
+                            "of the watchdog\n" + "\n".join(res.get("log") or [])
+                        )
                     elif res.get("log"):
                         errors.append(
                             f"round {r + 1}, {workload}, {v}: the watchdog logged\n" + "\n".join(res["log"])

@@ -39,6 +39,7 @@ from decode_variants import (  # noqa: E402
     VARIANTS,
     add_model_arguments,
     interleaved,
+    internal_errors,
     make_model,
     model_defaults,
     prompts_for,
@@ -118,6 +119,20 @@ class Recorder:
         self.file.flush()
 
 
+class InternalErrors(RuntimeError):
+    """A watchdog of a variant had internal errors: it measured an error path, not the variant."""
+
+
+def check_clean(runs, when: str) -> None:
+    errors = internal_errors(runs)
+    if errors:
+        raise InternalErrors(
+            f"{when}: the watchdog had internal errors ("
+            + ", ".join(f"{v}: {n}" for v, n in errors.items())
+            + "): the run measured an error path (its log says where)"
+        )
+
+
 def measure(args) -> list[str]:
     import mlx.core as mx
 
@@ -146,7 +161,8 @@ def measure(args) -> list[str]:
     )
     model = make_model(args.model, args.layers, args.hidden, args.vocab, args.dtype, args.experts, args.seed)
     prompts = prompts_for(args.batch if args.path == "batched" else 1, args.prompt_len, args.vocab, args.seed)
-    interleaved(model, args.variants, args.path, prompts, args.warmup, args.warmup)  # one-off costs, untimed
+    warm = interleaved(model, args.variants, args.path, prompts, args.warmup, args.warmup)  # one-off costs
+    check_clean(warm, "warm-up")  # before the time is spent
     print(f"built and warmed up in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
     # A record per chunk, or with --interleave-steps per block of `chunk` one-step turns.
@@ -208,9 +224,11 @@ def measure(args) -> list[str]:
                     "seconds": r.seconds,
                     "cpu_seconds": r.cpu_seconds,
                     "walks": r.walks,
+                    "internal_errors": r.internal_errors,
                     "gc_seconds": r.gc_seconds,
                 }
             )
+        check_clean(runs, f"repetition {rep + 1}")
         if deadline is not None and time.perf_counter() > deadline:
             break
     return [args.jsonl]
@@ -284,6 +302,16 @@ def report(paths: list[str], compare: list[tuple[str, str]], run_filter=None) ->
             f"{cpu} | {self_timed} | {retained} | {identical} |"
         )
     slow = collections.Counter(stalled.values())
+    errors = collections.Counter()
+    for e in ends:
+        errors[e["variant"]] += e.get("internal_errors") or 0
+    if +errors:  # records of a run that failed, or written before runs failed on them
+        lines += [
+            "",
+            "**Void: the watchdog had internal errors** (the variant measured an error path): "
+            + ", ".join(f"{v} {n}" for v, n in (+errors).items())
+            + ".",
+        ]
     lines += [
         "",
         "Ratio: tokens/s of the variant over the reference on the rounds both ran; interval: bootstrap "
@@ -302,7 +330,11 @@ def main(argv=None) -> int:
     if args.report:
         text = report(args.report, args.compare)
     else:
-        paths = measure(args)
+        try:
+            paths = measure(args)
+        except InternalErrors as exc:  # the records so far stay in --jsonl
+            print(f"paired_speed.py: {exc}", file=sys.stderr, flush=True)
+            return 1
         run = read_records(paths)
         last = [r["run"] for r in run if r.get("type") == "run"][-1:]
         text = report(paths, args.compare, run_filter=set(last))

@@ -99,6 +99,10 @@ def bench(model_type: str, args) -> dict:
                 guard.remove()
     ratios = [g / w - 1 for g, w in zip(times["guarded"], times["watched"])]
     unwatch_model(model)
+    if wd.internal_errors:  # caught and counted, the prefill went on: the times are an error path's
+        raise SystemExit(
+            f"prefill_cost.py: {model_type}: the watchdog had {wd.internal_errors} internal errors"
+        )
     chunks = -(-(args.tokens - 1) // args.step)
     return {
         "model": model_type,

@@ -86,6 +86,8 @@ def writer_cost(layers: int, seconds: float, folder: Path) -> dict:
     gen.close()
     unwatch_model(model)
     watchdog.export = False
+    if watchdog.internal_errors:  # caught and counted, the decode went on: an error path's numbers
+        raise SystemExit(f"run_metrics.py: the watchdog had {watchdog.internal_errors} internal errors")
     return {
         "wall": walls,
         "cpu": cpus,
@@ -125,6 +127,8 @@ def paired_decode(layers: int, rounds: int, block: int, folder: Path) -> dict:
     gen.close()
     unwatch_model(model)
     watchdog.export = False
+    if watchdog.internal_errors:  # caught and counted, the decode went on: an error path's numbers
+        raise SystemExit(f"run_metrics.py: the watchdog had {watchdog.internal_errors} internal errors")
     return ratios
 
 
@@ -212,6 +216,8 @@ def staleness(layers: int, samples: int, folder: Path) -> list[float]:
     gen.close()
     unwatch_model(model)
     watchdog.export = False
+    if watchdog.internal_errors:  # caught and counted, the decode went on: an error path's numbers
+        raise SystemExit(f"run_metrics.py: the watchdog had {watchdog.internal_errors} internal errors")
     return delays
 
 

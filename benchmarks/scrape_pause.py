@@ -334,6 +334,8 @@ def main() -> None:
     results["paired"]["step_median_ms"] = round(statistics.median(warm[50:]) * 1e3, 3)
     results["loadavg_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
     results["forecast_at_end"] = wd.forecast().describe()
+    if wd.internal_errors:  # caught and counted, the decode went on: the pauses are an error path's
+        raise SystemExit(f"scrape_pause.py: the watchdog had {wd.internal_errors} internal errors")
     scraper.close()
     server.close()
     gen.close()

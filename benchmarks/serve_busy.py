@@ -394,6 +394,12 @@ def main(argv: list[str] | None = None) -> int:
                     with open(args.jsonl, "a") as f:
                         f.write(json.dumps(result) + "\n")
     emit(report(runs, args, command), args.out)
+    broken = [
+        f"{r['arm']} round {r['round']}: {r['internal_errors']:.0f}" for r in runs if r.get("internal_errors")
+    ]
+    if broken:  # caught and counted, the server went on: those arms measured an error path
+        print("serve_busy.py: the watchdog had internal errors: " + ", ".join(broken), file=sys.stderr)
+        return 1
     return 0
 
 

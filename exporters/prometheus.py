@@ -32,8 +32,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import REGISTRY, CollectorRegistry
 
 from .. import __version__
+from ..core import compiled
 from ..core.coordination import launch_rank
-from ..core.limits import device_name
+from ..core.limits import backend, device_name
 from ..core.watchdog import Watchdog, live_watchdogs
 from .http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, BoundedHTTPServer
 
@@ -75,8 +76,9 @@ _SPECS = (
     _Spec(
         "mlx_watchdog_resource_limit_buffers",
         "gauge",
-        "The buffer limit the forecast counts against (Metal's resource_limit; 499000 where the "
-        "device reports none). A process that allocates past it crashes.",
+        "The buffer limit the forecast counts against: the configured one, else the device's "
+        "(Metal's resource_limit), else 499000. On Metal a process that allocates past Metal's "
+        "limit crashes; the other backends have no buffer-count limit (see mlx_watchdog_info's backend).",
     ),
     _Spec(
         "mlx_watchdog_buffers_per_step",
@@ -108,6 +110,36 @@ _SPECS = (
         "gauge",
         "1 while decode steps are observed, 0 when none came for a few seconds or the "
         "generation ended (resident buffers still held stay in resident_buffers).",
+    ),
+    _Spec(
+        "mlx_watchdog_stop_forecast_held",
+        "gauge",
+        "1 while buffers_per_step, steps_to_limit, time_to_limit_seconds, rate_known and the leak "
+        "site series read the forecast of the last stop: a stop ends the caches that grew, and the "
+        "forecast that caused it stays until a reading taken on a decode step since measures the "
+        "growth again. 0 otherwise.",
+    ),
+    _Spec(
+        "mlx_watchdog_last_stop_timestamp_seconds",
+        "gauge",
+        "When the watchdog last stopped a generation before the limit, by reason (seconds since the "
+        "Unix epoch); absent before the first stop of that reason.",
+        ("reason",),
+        unit="seconds",
+    ),
+    _Spec(
+        "mlx_watchdog_last_stop_steps_to_limit",
+        "gauge",
+        "Decode steps to the limit forecast by the last stop of each reason, when it stopped (+Inf "
+        "when its forecast saw no growth: a prefill stop).",
+        ("reason",),
+    ),
+    _Spec(
+        "mlx_watchdog_last_stop_leak_buffers_per_step",
+        "gauge",
+        "Buffers per decode step of each leaking site that nothing repairs, in the forecast of the "
+        'last stop of each reason; site="other" sums the sites past the exporter\'s max_sites.',
+        ("reason", "site"),
     ),
     _Spec(
         "mlx_watchdog_pending_graph_nodes",
@@ -152,6 +184,23 @@ _SPECS = (
         "(0 while every site has its own series; the exporter's max_sites bounds them).",
     ),
     _Spec(
+        "mlx_watchdog_compiled_signatures",
+        "gauge",
+        "Input signatures (array shapes and dtypes, other arguments) a function compiled with "
+        "mx.compile keeps a cache entry for, one series per function (the most signatures first, "
+        "at most the exporter's max_sites); process-wide, the same on every watchdog of the "
+        'process. A count that keeps growing is a leak: site="compiled:<function>" of '
+        "mlx_watchdog_leak_buffers_per_step.",
+        ("function",),
+    ),
+    _Spec(
+        "mlx_watchdog_compiled_entry_buffers",
+        "gauge",
+        "Buffers one cache entry of a compiled function keeps (the constants of its traced "
+        "graph), measured on its traces; process-wide. Times its signatures: what its cache holds.",
+        ("function",),
+    ),
+    _Spec(
         "mlx_watchdog_prefill_graph_nodes",
         "gauge",
         "Lazy graph nodes of the last multi-token (prefill) forward pass.",
@@ -190,8 +239,9 @@ _SPECS = (
     _Spec(
         "mlx_watchdog_info",
         "gauge",
-        "Always 1; the labels say which versions, device and fix mode the watchdog runs with.",
-        ("version", "mlx_version", "mlx_lm_version", "device", "fix"),
+        "Always 1; the labels say which versions, device, backend (metal, cuda, cpu: only Metal has "
+        "a buffer-count limit) and fix mode the watchdog runs with.",
+        ("version", "mlx_version", "mlx_lm_version", "device", "backend", "fix"),
     ),
     _Spec(
         "mlx_watchdog_steps",
@@ -304,9 +354,11 @@ class WatchdogCollector:
         families = {spec.name: _family(spec, base) for spec in _SPECS}
         memory = _read_memory() if watchdogs else {}
         static = self._static_labels() if watchdogs else {}
+        functions = _read_compiled(self.max_sites) if watchdogs else []
         for wd in watchdogs:
             try:
                 rows = self._rows(wd, label_of[wd], with_rank, memory, static)
+                rows += _compiled_rows(functions, (label_of[wd],) + ((str(wd.rank),) if with_rank else ()))
             except Exception as exc:  # one broken watchdog must not break the scrape
                 _count_error(wd, exc)
                 # Its counters still go out: an alert on internal errors sees a watchdog whose
@@ -330,10 +382,22 @@ class WatchdogCollector:
     def _rows(self, wd: Watchdog, label: str, with_rank: bool, memory: dict, static: dict) -> list[tuple]:
         """All samples of one watchdog, built before any is added (all or none)."""
         f = wd.forecast()
+        held = wd.held_stop
         base = (label,) + ((str(wd.rank),) if with_rank else ())  # this process, not a worst rank
         # What grows now: nothing while nothing steps (no alert pages for an idle server), and
         # nothing known before it was measured (NaN: no "0/step" that would read as no leak).
-        if not f.rate_known:
+        # After a stop, until a new reading measures the growth, the forecast that caused it.
+        shown = f
+        if held is not None:
+            stopped = held.forecast
+            per_step, steps_left, seconds_left, unattributed = (
+                stopped.buffers_per_step,
+                stopped.steps_to_limit,
+                stopped.seconds_to_limit,
+                stopped.unattributed_buffers_per_step,
+            )
+            shown = dataclasses.replace(f, leaks=stopped.leaks, decoding=True, rate_known=True)
+        elif not f.rate_known:
             per_step = steps_left = seconds_left = unattributed = math.nan
         elif not f.decoding:
             per_step, steps_left, seconds_left, unattributed = 0.0, math.inf, math.inf, 0.0
@@ -347,12 +411,14 @@ class WatchdogCollector:
             ("mlx_watchdog_buffers_per_step", base, per_step),
             ("mlx_watchdog_steps_to_limit", base, steps_left),
             ("mlx_watchdog_time_to_limit_seconds", base, seconds_left),
-            ("mlx_watchdog_rate_known", base, int(f.rate_known)),
+            ("mlx_watchdog_rate_known", base, int(shown.rate_known)),
             ("mlx_watchdog_decoding", base, int(f.decoding)),
+            ("mlx_watchdog_stop_forecast_held", base, int(held is not None)),
             ("mlx_watchdog_pending_graph_nodes", base, f.pending_graph_nodes),
             ("mlx_watchdog_unattributed_buffers_per_step", base, unattributed),
         ]
-        rows += self._site_rows(wd, f, base)
+        rows += self._site_rows(wd, shown, base)
+        rows += self._stop_rows(wd, base)
         for name, reading in (
             ("mlx_watchdog_prefill_graph_nodes", f.prefill_graph_nodes),
             ("mlx_watchdog_max_safe_prefill_tokens", f.max_safe_prefill_tokens),
@@ -365,6 +431,7 @@ class WatchdogCollector:
             static["mlx_version"],
             static["mlx_lm_version"],
             static["device"],
+            static["backend"],
             "true" if wd.fix else "false",
         )
         rows.append(("mlx_watchdog_info", base + info, 1))
@@ -402,12 +469,8 @@ class WatchdogCollector:
                     if bool(leak.cut) == cut:
                         site = str(leak.site)
                         by_site[site] = by_site.get(site, 0.0) + float(leak.buffers_per_step)
-                ranked = sorted(by_site.items(), key=lambda kv: (-kv[1], kv[0]))
-                if len(ranked) > self.max_sites:
-                    kept, rest = ranked[: self.max_sites - 1], ranked[self.max_sites - 1 :]
-                    other = sum(v for _, v in rest) + dict(kept).get(OTHER_SITE, 0.0)
-                    ranked = [(site, v) for site, v in kept if site != OTHER_SITE] + [(OTHER_SITE, other)]
-                    folded += len(rest)
+                ranked, count = _fold(by_site, self.max_sites)
+                folded += count
                 # Sites that leaked before and no longer do: 0, in the room the cap leaves.
                 gone = [site for site in known.get(name, ()) if site not in by_site]
                 ranked += [(site, 0.0) for site in gone[: max(0, self.max_sites - len(ranked))]]
@@ -421,6 +484,24 @@ class WatchdogCollector:
             peaks[str(site.site)] = max(peaks.get(str(site.site), 0.0), float(site.peak_buffers))
         ranked = sorted(peaks.items(), key=lambda kv: (-kv[1], kv[0]))[: self.max_sites]
         rows += [("mlx_watchdog_bounded_site_peak_buffers", base + (site,), v) for site, v in ranked]
+        return rows
+
+    def _stop_rows(self, wd: Watchdog, base: tuple) -> list[tuple]:
+        """The last stop of each reason: when, the steps to the limit it forecast and its leak
+        sites (the largest ``max_sites - 1`` by buffers per step, the rest summed into "other")."""
+        rows: list[tuple] = []
+        for reason, stop in sorted(wd.last_stops.items()):
+            labels = base + (str(reason),)
+            rows.append(("mlx_watchdog_last_stop_timestamp_seconds", labels, stop.time))
+            rows.append(("mlx_watchdog_last_stop_steps_to_limit", labels, stop.forecast.steps_to_limit))
+            by_site: dict[str, float] = {}
+            for leak in stop.forecast.leaks:
+                if not leak.cut:
+                    by_site[str(leak.site)] = by_site.get(str(leak.site), 0.0) + float(leak.buffers_per_step)
+            ranked, _ = _fold(by_site, self.max_sites)
+            rows += [
+                ("mlx_watchdog_last_stop_leak_buffers_per_step", labels + (site,), v) for site, v in ranked
+            ]
         return rows
 
     def _assign_labels(self, watchdogs: list[Watchdog]) -> dict[Watchdog, str]:
@@ -462,13 +543,29 @@ class WatchdogCollector:
                 device = device_name()
             except Exception:
                 device = "unknown"
+            try:
+                on = backend()
+            except Exception:
+                on = "unknown"
             self._static = {
                 "version": __version__,
                 "mlx_version": str(getattr(mx, "__version__", "unknown")),
                 "mlx_lm_version": _package_version("mlx-lm"),
                 "device": device,
+                "backend": on,
             }
         return self._static
+
+
+def _fold(by_site: dict[str, float], max_sites: int) -> tuple[list[tuple[str, float]], int]:
+    """The sites by buffers per step, largest first, at most ``max_sites``: past the cap, the
+    largest ``max_sites - 1`` and "other" with the sum of the rest; and how many were folded."""
+    ranked = sorted(by_site.items(), key=lambda kv: (-kv[1], kv[0]))
+    if len(ranked) <= max_sites:
+        return ranked, 0
+    kept, rest = ranked[: max_sites - 1], ranked[max_sites - 1 :]
+    other = sum(v for _, v in rest) + dict(kept).get(OTHER_SITE, 0.0)
+    return [(site, v) for site, v in kept if site != OTHER_SITE] + [(OTHER_SITE, other)], len(rest)
 
 
 def _counter_rows(wd: Watchdog, label: str, with_rank: bool) -> list[tuple]:
@@ -521,6 +618,38 @@ def _count_error(wd: Watchdog, exc: Exception) -> None:
         wd.record_internal_error("prometheus exporter", exc)
     except Exception:
         logger.warning("mlx-watchdog exporter: skipped watchdog %r: %r", wd, exc)
+
+
+def _read_compiled(limit: int) -> list[tuple[str, int, float | None]]:
+    """(function, signatures, buffers per entry) of the compiled functions that keep an entry,
+    the most signatures first, at most ``limit``; functions of one name summed."""
+    by_name: dict[str, list] = {}
+    try:
+        for function in compiled.functions():
+            entries = function.entries
+            if not entries:
+                continue
+            total = by_name.setdefault(function.name, [0, 0, False])
+            total[0] += entries
+            total[1] += function.buffers
+            total[2] = total[2] or function.entry_buffers is not None
+    except Exception as exc:
+        logger.debug("mlx-watchdog exporter: compiled functions unavailable: %r", exc)
+        return []
+    ranked = sorted(by_name.items(), key=lambda kv: (-kv[1][0], kv[0]))[:limit]
+    return [
+        (name, entries, buffers / entries if measured else None)
+        for name, (entries, buffers, measured) in ranked
+    ]
+
+
+def _compiled_rows(functions: list[tuple[str, int, float | None]], base: tuple) -> list[tuple]:
+    rows: list[tuple] = []
+    for name, signatures, per_entry in functions:
+        rows.append(("mlx_watchdog_compiled_signatures", base + (name,), float(signatures)))
+        if per_entry is not None:
+            rows.append(("mlx_watchdog_compiled_entry_buffers", base + (name,), float(per_entry)))
+    return rows
 
 
 def _read_memory() -> dict[str, float]:

@@ -244,16 +244,18 @@ def build() -> dict:
     L = Layout()
 
     # ------------------------------------------------------------ forecast
-    L.row("Forecast: when will Metal's buffer limit be hit?")
+    L.row("Forecast: when will the buffer limit be hit?")
     L.add(
         stat(
             "Steps to limit",
             "How many more decode steps (about one generated token each) this process can run before the "
-            "number of live Metal buffers reaches the limit and MLX fails with "
-            "`[metal::malloc] Resource limit (499000) exceeded`. Computed by the watchdog as "
+            "number of live buffers reaches the limit: on Metal MLX then fails with "
+            "`[metal::malloc] Resource limit (499000) exceeded`; the other backends have no buffer-count "
+            "limit, the limit is the configured one. Computed by the watchdog as "
             "(buffer limit - resident buffers) / buffers gained per step. 'not growing' (+Inf) means the "
             f"buffer count is flat: no leak. Orange below {SOON_STEPS}, red below {IMMINENT_STEPS} steps "
-            "(the thresholds of the Prometheus alerts). One value per process / rank.",
+            "(the thresholds of the Prometheus alerts). One value per process / rank. After a stop it "
+            "reads the stop's forecast until a new reading replaces it ('Decoding / growth measured').",
             [target(f"mlx_watchdog_steps_to_limit{{{SEL}}}")],
             "none",
             thresholds((None, "red"), (IMMINENT_STEPS, "orange"), (SOON_STEPS, "green")),
@@ -280,9 +282,9 @@ def build() -> dict:
     usage = {
         "type": "gauge",
         "title": "Buffers used (% of limit)",
-        "description": "Resident Metal buffers as a share of Metal's resource limit (about 499000 buffers "
-        "on macOS). The limit counts buffers, not bytes: many small arrays can exhaust it while plenty of "
-        "memory is free. 100% is the crash.",
+        "description": "Resident buffers as a share of the buffer limit (Metal's resource limit, about "
+        "499000 buffers on macOS; elsewhere the configured one). The limit counts buffers, not bytes: many "
+        "small arrays can exhaust it while plenty of memory is free. On Metal 100% is the crash.",
         "datasource": DS,
         "targets": [
             target(f"mlx_watchdog_resident_buffers{{{SEL}}} / mlx_watchdog_resource_limit_buffers{{{SEL}}}")
@@ -313,7 +315,7 @@ def build() -> dict:
         "type": "bargauge",
         "title": "Top leak sites (buffers per step)",
         "description": "The cache attributes (for example `ArraysCache.left_padding`) that the watchdog blames "
-        "for the growth, ranked by how many Metal buffers each one leaves alive per decode step (top 10 "
+        "for the growth, ranked by how many buffers each one leaves alive per decode step (top 10 "
         "over the selected processes, current value). Empty means nothing is leaking unrepaired. Without "
         "the fix these are the attributes `mlx-watchdog serve --fix` / `Watchdog(fix=True)` repairs; with "
         "it, a site it cuts is left out here (it shows dashed in 'Leak per site').",
@@ -357,8 +359,9 @@ def build() -> dict:
         "title": "Processes: versions and fix",
         "description": "One row per watched process (from the `mlx_watchdog_info` metric): the watchdog "
         "name, scrape address and rank, whether the leak fix is on, and the mlx-watchdog, MLX and mlx-lm "
-        "versions and the MLX device. If a leak is reported while `fix` is off, restart with "
-        "`mlx-watchdog serve --fix` or `Watchdog(fix=True)`.",
+        "versions, the MLX device and its backend (metal, cuda, cpu: only Metal has a buffer-count "
+        "limit). If a leak is reported while `fix` is off, restart with `mlx-watchdog serve --fix` or "
+        "`Watchdog(fix=True)`.",
         "datasource": DS,
         "targets": [target(f"mlx_watchdog_info{{{SEL}}}", legend="", instant=True, fmt="table")],
         "transformations": [
@@ -381,6 +384,7 @@ def build() -> dict:
                         "mlx_version": 5,
                         "mlx_lm_version": 6,
                         "device": 7,
+                        "backend": 8,
                     },
                     "renameByName": {},
                 },
@@ -430,15 +434,16 @@ def build() -> dict:
     L.add(info, w=24, h=5)
 
     # ------------------------------------------------------------ buffers
-    L.row("Metal buffers and the lazy graph")
+    L.row("Buffers and the lazy graph")
     L.add(
         timeseries(
             "Resident buffers vs limit",
-            "Number of Metal buffers alive in the process after each decode step (solid), against Metal's "
-            "resource limit (dashed red). A healthy decode is flat; a leak is a straight ramp toward the "
-            "dashed line, and the crash happens where they meet. A program that cuts its own chains now "
-            "and then (it evaluates its cache state every N steps) makes a sawtooth: the dashed line of its "
-            "color is the count at the sawtooth's peaks, where the steps to the limit are counted from.",
+            "Number of buffers alive in the process after each decode step (solid), against the buffer "
+            "limit (dashed red: Metal's resource limit, elsewhere the configured one). A healthy decode is "
+            "flat; a leak is a straight ramp toward the dashed line, and the crash happens where they meet. "
+            "A program that cuts its own chains now and then (it evaluates its cache state every N steps) "
+            "makes a sawtooth: the dashed line of its color is the count at the sawtooth's peaks, where the "
+            "steps to the limit are counted from.",
             [
                 target(f"mlx_watchdog_resident_buffers{{{SEL}}}", ref="A"),
                 target(
@@ -467,7 +472,7 @@ def build() -> dict:
     L.add(
         timeseries(
             "Growth per step",
-            "Net Metal buffers gained per decode step (the slope of the left graph), as measured by the "
+            "Net buffers gained per decode step (the slope of the left graph), as measured by the "
             "watchdog. 0 is healthy; a steady positive value is a leak that ends in the resource-limit "
             "crash; short spikes during prefill or cache resizing are normal.",
             [target(f"mlx_watchdog_buffers_per_step{{{SEL}}}")],
@@ -675,10 +680,15 @@ def build() -> dict:
             "Decoding: 1 while decode steps are observed, 0 when none came for a few seconds or the "
             "generation ended (then nothing is forecast to grow). Growth measured: 1 once two readings "
             "of the caches alive now have measured the growth per step; 0 right after a new decode "
-            "starts, when the forecast panels read 'measuring' instead of a number.",
+            "starts, when the forecast panels read 'measuring' instead of a number. Stop's forecast: 1 "
+            "after a stop, while the forecast panels show the forecast that caused it (the stopped batch "
+            "is gone), until a new reading measures the growth again.",
             [
                 target(f"mlx_watchdog_decoding{{{SEL}}}", legend="decoding " + LEGEND, ref="A"),
                 target(f"mlx_watchdog_rate_known{{{SEL}}}", legend="growth measured " + LEGEND, ref="B"),
+                target(
+                    f"mlx_watchdog_stop_forecast_held{{{SEL}}}", legend="stop's forecast " + LEGEND, ref="C"
+                ),
             ],
             "none",
             thresholds((None, "blue"), (1, "green")),
@@ -767,6 +777,58 @@ def build() -> dict:
         w=6,
         h=7,
     )
+    last_stop = stat(
+        "Last stop",
+        "How long ago the watchdog last stopped a generation before the limit, by reason "
+        "(mlx_watchdog_last_stop_timestamp_seconds), and the decode steps to the limit its forecast "
+        "read then (mlx_watchdog_last_stop_steps_to_limit). Orange within 15 minutes "
+        "(MLXWatchdogStopped fires then). The stop's series stay after the stopped batch is gone.",
+        [
+            target(
+                f"time() - max by (watchdog, reason) (mlx_watchdog_last_stop_timestamp_seconds{{{SEL}}})",
+                legend="ago: {{reason}} ({{watchdog}})",
+                ref="A",
+            ),
+            target(
+                f"min by (watchdog, reason) (mlx_watchdog_last_stop_steps_to_limit{{{SEL}}})",
+                legend="steps left then: {{reason}} ({{watchdog}})",
+                ref="B",
+            ),
+        ],
+        "s",
+        thresholds((None, "orange"), (900, "green")),
+        no_value="no stop",
+    )
+    last_stop["fieldConfig"]["overrides"] = [
+        {
+            "matcher": {"id": "byFrameRefID", "options": "B"},
+            "properties": [
+                {"id": "unit", "value": "none"},
+                {"id": "decimals", "value": 0},
+                {"id": "thresholds", "value": thresholds((None, "text"))},
+            ],
+        }
+    ]
+    L.add(last_stop, w=6, h=7)
+    stop_sites = {
+        **top_sites,
+        "title": "Leak sites at the last stop (buffers per step)",
+        "description": "The leak sites of the forecast that made the last stop of each reason, by buffers "
+        "per step (mlx_watchdog_last_stop_leak_buffers_per_step): what was leaking when the watchdog "
+        "stopped the generation, kept after the stopped batch is gone and the readings start again.",
+        "targets": [
+            target(
+                f"max by (watchdog, reason, site) (mlx_watchdog_last_stop_leak_buffers_per_step{{{SEL}}}) > 0",
+                legend="{{site}} ({{watchdog}}, {{reason}})",
+                instant=True,
+            )
+        ],
+    }
+    stop_sites["fieldConfig"] = {
+        **top_sites["fieldConfig"],
+        "defaults": {**top_sites["fieldConfig"]["defaults"], "noValue": "no stop"},
+    }
+    L.add(stop_sites, w=12, h=7)
     L.newline()
 
     def query_var(name: str, label: str, query: str, description: str) -> dict:
@@ -820,8 +882,9 @@ def build() -> dict:
                 },
             ]
         },
-        "description": "mlx-watchdog: Metal buffer growth per decode step, the leaking cache attribute, and "
-        "the forecast of the `[metal::malloc] Resource limit (499000) exceeded` crash for MLX / mlx-lm processes.",
+        "description": "mlx-watchdog: buffer growth per decode step, the leaking cache attribute, and the "
+        "forecast of the buffer limit (on Metal the `[metal::malloc] Resource limit (499000) exceeded` "
+        "crash) for MLX / mlx-lm processes.",
         "editable": True,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
-from support import exact_counter
+from support import FakeClock, exact_counter
 
 # The suite reads the walk of the caches alone unless a test asks for the process-wide count
 # (process_count=True, or this variable set to auto or on, in tests/test_process_count.py): many
@@ -32,6 +32,12 @@ def counter():
     against. Process-wide once installed; skips loudly (fails under CI=true) where it cannot be.
     Session-scoped, so a test that asks for it and for a module's model gets the counter first."""
     return exact_counter()
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The watchdog's wall and CPU clocks, moved by the test alone (support.FakeClock)."""
+    return FakeClock().install(monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,15 @@ counted. The oracle is exposed two ways, both optional:
     - ``{"event": "probe", ...}`` for every reading of the endpoint below.
 * ``ORACLE_PORT=port``: ``GET http://127.0.0.1:port/live`` answers
   ``{"true": n, "steps": s, "where": "step" | "idle", "time": t}`` (at a step also
-  ``"forward": "decode" | "prefill"`` and ``"batch"``, the batch size of that forward's cache). The reading is taken on the
-  generation thread at the entry of its next forward pass (``Watchdog.observe`` is wrapped:
-  synchronized, exact, and aligned with the watchdog's own step count ``steps``); when no
-  forward pass comes within ``ORACLE_WAIT`` seconds (default 1.0: the server is idle, nothing
-  is in flight) it is read at once without MLX (``where: "idle"``).
+  ``"forward": "decode" | "prefill"``, ``"batch"``, the batch size of that forward's cache, and
+  ``"measured"``, the step of the watchdog's last reading: how old it is). The reading is taken on the
+  generation thread at the entry of its next forward pass, once the watchdog has observed it
+  (``Watchdog.observe`` is wrapped: synchronized, exact, aligned with the watchdog's own step count
+  ``steps``, and a scrape that waited for it reads what the watchdog made of that step); when no
+  forward pass comes within ``ORACLE_WAIT`` seconds (default 1.0) and no watchdog is decoding
+  (the server is idle, nothing is in flight) it is read at once without MLX (``where: "idle"``).
+  While one is decoding (a forward in flight, a long prefill on a loaded machine: its temporaries
+  are no resident count) the reading waits for the next forward, up to 30 s.
 
 Exit status 3 when the counter cannot be installed (no gcc, not a Linux CPU build of MLX).
 """
@@ -74,11 +78,17 @@ class _Probes:
         self.lock = threading.Lock()
         self.waiting: list[dict] = []  # {"event": threading.Event, "result": None | dict}
 
-    def ask(self, wait: float) -> dict:
+    def ask(self, wait: float, busy_wait: float = 30.0) -> dict:
         probe = {"event": threading.Event(), "result": None}
         with self.lock:
             self.waiting.append(probe)
-        if not probe["event"].wait(wait):
+        answered = probe["event"].wait(wait)
+        deadline = time.monotonic() + busy_wait
+        while not answered and _decoding() and time.monotonic() < deadline:
+            # A forward is in flight (a long prefill on a loaded machine): what it holds now,
+            # its temporaries included, is no count of what stays resident; its next one reads it.
+            answered = probe["event"].wait(0.05)
+        if not answered:
             with self.lock:
                 if probe["result"] is None:  # not taken by a forward pass: idle, read it here
                     self.waiting.remove(probe)
@@ -93,7 +103,7 @@ class _Probes:
         return probe["result"]
 
     def answer(self, watchdog, roots, prefill: bool) -> None:
-        """On the generation thread, at the entry of a forward pass (``roots``: its cache)."""
+        """On the generation thread, at the entry of a forward pass once observed (``roots``: its cache)."""
         with self.lock:
             if not self.waiting:
                 return
@@ -106,6 +116,7 @@ class _Probes:
                 "time": time.time(),
                 "forward": "prefill" if prefill else "decode",
                 "batch": _batch_size(roots),
+                "measured": _measured(watchdog),
             }
             for probe in waiting:
                 probe["result"] = result
@@ -125,6 +136,24 @@ def _batch_size(roots) -> int | None:
         return None
 
 
+def _measured(watchdog) -> int | None:
+    """The step of the watchdog's last reading (its forecast's ``measured_step``)."""
+    try:
+        return watchdog.forecast().measured_step
+    except Exception:
+        return None
+
+
+def _decoding() -> bool:
+    """Is any watchdog decoding (``Watchdog.decoding``: false once the server said it is idle)?"""
+    from mlx_watchdog.core.watchdog import live_watchdogs
+
+    try:
+        return any(wd.decoding() for wd in live_watchdogs())
+    except Exception:
+        return False
+
+
 def _steps() -> int:
     from mlx_watchdog.core.watchdog import live_watchdogs
 
@@ -137,9 +166,11 @@ def _install_hooks() -> None:
     original_observe = core.Watchdog.observe
 
     def observe(self, roots, *args, **kwargs):
-        if PROBES.waiting:  # cheap unlocked check; answer() checks again under the lock
-            PROBES.answer(self, roots, bool(kwargs.get("prefill", False)))
-        return original_observe(self, roots, *args, **kwargs)
+        try:
+            return original_observe(self, roots, *args, **kwargs)
+        finally:  # once the watchdog has read this step: a scrape that waits for it sees its reading
+            if PROBES.waiting:  # cheap unlocked check; answer() checks again under the lock
+                PROBES.answer(self, roots, bool(kwargs.get("prefill", False)))
 
     observe.__wrapped__ = original_observe
     core.Watchdog.observe = observe

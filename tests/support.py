@@ -1,6 +1,6 @@
 """Helpers shared by the tests: free ports, required system binaries (Prometheus, promtool,
 Alertmanager), starting and stopping those servers, small HTTP / PromQL clients, the exact
-live-buffer counter and a batched decode.
+live-buffer counter, a batched decode and a fake clock for the watchdog.
 
 Policy for missing binaries: locally a test that needs one skips with a loud reason (printed to
 stderr and raised as a warning); under CI=true it fails, so CI never passes by skipping.
@@ -21,8 +21,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -39,7 +41,98 @@ _PACKAGES = {
 }
 
 
+# --------------------------------------------------------------------------- the watchdog's time
+
+
+class FakeClock:
+    """All the time the watchdog sees (``mlx_watchdog.core.clock``: wall and CPU), moved by the
+    test alone: what the watchdog decides from time (when to walk, what fits its budget, how much
+    a reading walks, its own time) is then the same on any machine, at any load.
+
+    ``now`` is the wall clock, ``cpu_now`` the CPU time of every thread. ``work(s)`` moves both
+    (the watchdog working); moving ``now`` alone is time that does no work for it (the decode, a
+    wait for a core)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+        self.cpu_now = 0.0
+
+    def wall(self) -> float:
+        return self.now
+
+    def cpu(self) -> float:
+        return self.cpu_now
+
+    def work(self, seconds: float) -> None:
+        self.now += seconds
+        self.cpu_now += seconds
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+        from mlx_watchdog.core import clock
+
+        monkeypatch.setattr(clock, "wall", self.wall)
+        monkeypatch.setattr(clock, "cpu", self.cpu)
+        return self
+
+    def step_each_observe(self, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+        """Every ``Watchdog.observe`` call (from any attachment point) comes ``seconds`` after the
+        last: a real decode's steps, each as long on any machine."""
+        from mlx_watchdog.core.watchdog import Watchdog
+
+        real_observe = Watchdog.observe
+
+        def observe(wd, *args, **kwargs):
+            self.now += seconds
+            return real_observe(wd, *args, **kwargs)
+
+        monkeypatch.setattr(Watchdog, "observe", observe)
+
+    def charge_walks(
+        self, monkeypatch: pytest.MonkeyPatch, cost: Callable[[Any], float], wall: float = 1.0
+    ) -> None:
+        """Each walk of the graph (``sampling.account``) works ``cost(reading)`` CPU seconds and
+        takes ``wall`` times that on the wall clock: 1, a core of its own; more, it waited for
+        one (beside busy processes on 2 cores: up to 3.9 measured); 0, the walks seem free to the
+        schedule, and only the sampler sees their cost."""
+        from mlx_watchdog.core import sampling
+
+        real_account = sampling.account
+
+        def costly_account(arrays, **options):
+            reading = real_account(arrays, **options)
+            work = cost(reading)
+            self.cpu_now += work
+            self.now += wall * work
+            return reading
+
+        monkeypatch.setattr(sampling, "account", costly_account)
+
+
 # --------------------------------------------------------------------------- ports
+
+
+@contextlib.contextmanager
+def cpu_load(processes: int = 2) -> Iterator[None]:
+    """Busy processes beside the test, as on a loaded machine (2 cores here): for what must hold
+    on the real clock whatever the machine does."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
+def sse_events(response: Iterable[bytes]) -> Iterator[dict | None]:
+    """The events of a server-sent-events reply (an OpenAI-style stream): each ``data:`` line's
+    JSON, and None for ``[DONE]``."""
+    for raw in response:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        yield None if data == "[DONE]" else json.loads(data)
 
 
 def free_port() -> int:
@@ -102,6 +195,30 @@ def missing(message: str) -> None:
     print(f"\n*** WARNING: {message} ***", file=sys.stderr)
     warnings.warn(message, stacklevel=2)
     pytest.skip(f"*** {message} ***")
+
+
+def mlx_before_0_32() -> bool:
+    """mlx 0.31.x, the line the second run uses (make test-mlx-031)."""
+    import mlx.core as mx
+
+    return tuple(int(p) for p in mx.__version__.split(".")[:2]) < (0, 32)
+
+
+def mlx_says_evaluated(array) -> bool:
+    """MLX's own answer, not the watchdog's: ``mx.get_array_buffer_size`` refuses an unevaluated
+    array (mlx 0.32.4); without it, ``mx.export_to_dot`` writes an array that has no primitive
+    (evaluated, or scheduled) as a source."""
+    import mlx.core as mx
+
+    if hasattr(mx, "get_array_buffer_size"):
+        try:
+            mx.get_array_buffer_size(array)
+            return True
+        except ValueError:
+            return False
+    text: list[str] = []
+    mx.export_to_dot(SimpleNamespace(write=text.append), n0=array)
+    return '{ rank=source; "n0"; }' in "".join(text)
 
 
 def needs_model_type(model_type: str) -> pytest.MarkDecorator:

@@ -38,6 +38,14 @@ PROMPT = tiny.tiny_prompts(1, 8, seed=1)[0]
 FORWARDS_BEFORE_FIRST_TOKEN = 2
 
 
+@pytest.fixture(autouse=True)
+def watchdog_time(monkeypatch, fake_clock):
+    """Every test here runs the watchdog on the fake clock (conftest), each observe() 10 ms after
+    the last, walks free: when it walks is the schedule's, the same on any machine."""
+    fake_clock.step_each_observe(monkeypatch, 0.01)
+    return fake_clock
+
+
 def no_eos(tokens, logits):
     # Random weights may pick the EOS; without it every decode runs to max_tokens.
     return mx.where(mx.arange(logits.shape[-1]) == tiny.EOS_ID, -mx.inf, logits)
@@ -514,24 +522,25 @@ def test_forecast_from_another_thread_during_a_batched_decode(hybrid):
     errors, forecasts = [], []
     done = threading.Event()
 
-    def decode():
+    # The decode runs on this thread, as a program's does; an exporter's thread reads. (A thread
+    # that decoded through mlx-lm's compiled functions aborts the process when it ends on mlx 0.31.)
+    def read():
         try:
-            batched_tokens(hybrid, 60, tiny.tiny_prompts(2, 6, seed=3))
+            while not done.is_set():
+                f = wd.forecast()
+                forecasts.append(f)
+                f.describe()
         except BaseException as exc:
             errors.append(exc)
-        finally:
-            done.set()
 
-    worker = threading.Thread(target=decode, name="decode")
-    worker.start()
+    reader = threading.Thread(target=read, name="reader")
+    reader.start()
     try:
-        while not done.is_set():
-            f = wd.forecast()
-            forecasts.append(f)
-            f.describe()
+        batched_tokens(hybrid, 60, tiny.tiny_prompts(2, 6, seed=3))
     finally:
-        worker.join(timeout=120)
-    assert not worker.is_alive() and not errors
+        done.set()
+        reader.join(timeout=120)
+    assert not reader.is_alive() and not errors
     assert len(forecasts) > 10 and wd.internal_errors == 0
     steps = [f.step for f in forecasts]
     assert steps == sorted(steps)  # never goes back

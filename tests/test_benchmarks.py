@@ -14,36 +14,95 @@ import random  # noqa: E402
 import observe_stall  # noqa: E402
 import paired_speed  # noqa: E402
 import paired_stats  # noqa: E402
+import pytest  # noqa: E402
 
 # paired_speed.py at its smallest: a 4-layer hybrid (batch of 2), 24 steps in chunks of 8.
 SMALL_RUN = ["--model", "qwen3_next", "--layers", "4", "--steps", "24", "--chunk", "8", "--warmup", "4"]
 
 
-def test_diagnostic_variants_take_apart_what_they_say():
-    """``nowalk`` observes every step and never walks; ``wrapped`` observes nothing; ``watched``
-    walks (a ``nowalk`` that shadowed a renamed method would be ``watched`` under another name)."""
+def test_diagnostic_variants_take_apart_what_they_say(monkeypatch):
+    """``nowalk`` observes every step and never walks, on the path of a step that walks nothing
+    (it never even asks whether a walk is due); ``wrapped`` observes nothing; ``watched`` walks
+    (a ``nowalk`` that shadowed a renamed method would be ``watched`` under another name). None
+    of them has an internal error: that would be an error path measured under the variant's name."""
     import mlx.core as mx
     from decode_variants import watchdog_for
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_watchdog.attach.model import unwatch_model, watch_model
+    from mlx_watchdog.core.schedule import Schedule
     from mlx_watchdog.tiny import build_model
 
+    asked = []
+    real_due = Schedule.due
+
+    def due(self, *args, **kwargs):
+        asked.append(1)
+        return real_due(self, *args, **kwargs)
+
+    monkeypatch.setattr(Schedule, "due", due)
     model = build_model("llama", layers=2)
     seen = {}
     for variant in ("nowalk", "wrapped", "watched"):
         wd = watchdog_for(variant)
         watch_model(model, wd)
+        asked.clear()
         for _ in generate_step(
             mx.array([1, 2, 3]), model, max_tokens=12, prompt_cache=make_prompt_cache(model)
         ):
             pass
         unwatch_model(model)
-        seen[variant] = (wd.steps, wd.walks)
-    assert seen["nowalk"][0] >= 10 and seen["nowalk"][1] == 0
-    assert seen["wrapped"] == (0, 0)
+        seen[variant] = (wd.steps, wd.walks, len(asked), wd.internal_errors)
+    assert seen["nowalk"][0] >= 10 and seen["nowalk"][1:] == (0, 0, 0), seen
+    assert seen["wrapped"] == (0, 0, 0, 0), seen
     assert seen["watched"][0] == seen["nowalk"][0] and seen["watched"][1] >= 3, seen
+    assert seen["watched"][2] >= seen["watched"][1] and seen["watched"][3] == 0, seen
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    from decode_variants import make_model
+
+    return {
+        "plain": make_model("llama", 2, 0, 512, "float32", 8),
+        "batched": make_model("qwen3_next", 4, 0, 512, "float32", 8),
+    }
+
+
+@pytest.mark.parametrize("path", ["plain", "batched"])
+def test_every_decode_variant_runs_without_an_internal_error(tiny_models, path):
+    """Every variant of the decode benchmark (those gpu_speed.sh runs among them), a few steps on
+    the CPU backend: a watchdog's internal error is caught and counted, and the decode goes on,
+    so a variant with one measures an error path under its name (a ``nowalk`` that shadowed a
+    method with the wrong signature raised at every step, and its run looked like any other)."""
+    from decode_variants import VARIANTS, interleaved, internal_errors, prompts_for
+
+    prompts = prompts_for(2 if path == "batched" else 1, 8, 512)
+    runs = interleaved(tiny_models[path], list(VARIANTS), path, prompts, steps=12, chunk=4)
+    watched = {r.variant: r for r in runs if r.internal_errors is not None}
+    assert {"watched", "fix", "nowalk", "wrapped", "fixlow"} <= set(watched), [r.variant for r in runs]
+    assert internal_errors(runs) == {}, internal_errors(runs)
+    assert all(r.tokens >= 12 for r in runs)
+
+
+def test_paired_speed_fails_on_an_internal_error(tmp_path, monkeypatch, capsys):
+    """An internal error of the watchdog in any variant fails the run (exit status 1), before
+    its time is spent."""
+    from mlx_watchdog.core import watchdog as core
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("a bug in the walk")
+
+    monkeypatch.setattr(core.Watchdog, "_walk", broken)
+    monkeypatch.setattr(sys, "argv", ["paired_speed.py"])
+    records = tmp_path / "chunks.jsonl"
+    status = paired_speed.main([*SMALL_RUN, "--variants", "unwatched,aa,watched", "--jsonl", str(records)])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "internal errors (watched: " in err and "aa" not in err.split("internal errors")[1], err
+    kinds = [json.loads(line)["type"] for line in records.read_text().splitlines()]
+    assert kinds == ["run"], kinds  # failed at the warm-up: nothing timed
 
 
 def test_observe_stall_benchmark_runs(capsys):
@@ -123,6 +182,7 @@ def test_every_decode_variant_gives_the_unwatched_tokens_and_the_fix_cuts_the_le
     ends = {r["variant"]: r for r in lines if r["type"] == "end"}
     assert set(ends) == set(variants)
     assert all(e["identical"] for e in ends.values()), ends  # tokens identical
+    assert all(not e["internal_errors"] for e in ends.values()), ends  # none measured an error path
     retained = {v: e["retained_at_end"] for v, e in ends.items()}
     assert retained["unwatched"] == retained["watched"] > retained["fix"]  # the leak, and the fix cutting it
     assert retained["wrapped"] == retained["nowalk"] == retained["unwatched"]
@@ -201,3 +261,31 @@ def test_process_count_cost_benchmark_runs(tmp_path):
     assert "| `count` | CPU (all threads) |" in text  # decode
     noise = [line for line in text.splitlines() if line.startswith("| 2 |")]
     assert len(noise) == 1 and noise[0].endswith("| 2.000 |"), noise  # the exact rate: the two chains
+
+
+def test_evaluated_check_benchmark_runs():
+    text = _run_script(
+        "evaluated_check.py", "--depths", "50", "--chains", "3", "--steps", "8", "--sweeps", "1"
+    )
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ") and "50 |" in line]
+    assert {r[1].strip() for r in rows} >= {"descriptor", "export"}, text
+    for r in rows:  # the watchdog's resident buffers against the workload's own count
+        read, truth = r[9].split("/")
+        assert int(read) == int(truth) == 3 * (50 + 8 + 1) + 3, r
+
+
+def test_serve_shutdown_benchmark_runs(tmp_path):
+    # One server started as a shell's background job (SIGINT ignored), stopped by SIGINT: clean.
+    text = _run_script(
+        "serve_shutdown.py",
+        "--runs",
+        "1",
+        "--signals",
+        "SIGINT",
+        "--inherit-sigint",
+        "ignored",
+        "--logs",
+        str(tmp_path),
+    )
+    (row,) = [line for line in text.splitlines() if line.startswith("| SIGINT |")]
+    assert [cell.strip() for cell in row.split("|")[2:7]] == ["1", "1", "0", "0", "0"], text

@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -170,7 +169,6 @@ def test_demo_of_a_model_mlx_lm_cannot_batch_names_the_plain_path():
 def test_demo_console_script_runs_in_a_subprocess():
     script = Path(sys.executable).with_name("mlx-watchdog")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog"]
-    start = time.monotonic()
     done = subprocess.run(
         [*command, "demo", "--max-tokens", "40", "--metrics-port", "0"],
         capture_output=True,
@@ -178,13 +176,11 @@ def test_demo_console_script_runs_in_a_subprocess():
         timeout=300,
         cwd=REPO,
     )
-    wall = time.monotonic() - start
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"^metrics: http://127\.0\.0\.1:\d+/metrics", done.stdout, re.M)
     assert LEFT_PADDING in done.stdout
     assert "tokens identical (80 compared)" in done.stdout
     assert "VERDICT: the fix removes the leak" in done.stdout
-    assert wall < 60, f"demo --max-tokens 40 took {wall:.1f} s"
 
 
 def test_demo_metrics_port_in_use_is_a_clear_error(capsys):
@@ -601,15 +597,13 @@ def test_plot_without_matplotlib_is_one_line_and_fails_before_decoding(tmp_path)
         "from mlx_watchdog.commands import main as cli\n"
         f"sys.exit(cli.main(['demo', '--no-metrics', '--plot', {str(tmp_path / 'x.png')!r}]))"
     )
-    start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (
         "mlx-watchdog demo: error: --plot needs matplotlib, which is not "
         "installed: pip install 'mlx-watchdog[plot]'"
     )
-    assert "pass 1/2" not in done.stdout and not (tmp_path / "x.png").exists()
-    assert time.monotonic() - start < 30
+    assert "pass 1/2" not in done.stdout and not (tmp_path / "x.png").exists()  # before decoding
 
 
 # --------------------------------------------------------------------------- imports
@@ -661,31 +655,29 @@ def test_attachment_points_import_lazily_from_the_package():
 def _serve(*argv, timeout=120):
     script = Path(sys.executable).with_name("mlx-watchdog")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "mlx_watchdog"]
-    start = time.monotonic()
-    done = subprocess.run(
+    return subprocess.run(
         [*command, "serve", *map(str, argv)], capture_output=True, text=True, timeout=timeout
     )
-    return done, time.monotonic() - start
 
 
 def test_serve_fails_fast_on_a_missing_model_and_a_busy_port(model_dirs, tmp_path):
     missing = tmp_path / "no-such-model"
-    done, _ = _serve("--no-metrics", "--", "--model", missing)
+    done = _serve("--no-metrics", "--", "--model", missing)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"mlx-watchdog serve: error: model path does not exist: {missing} (mlx_lm.server's --model)"
     ]
     with busy_port() as port:
         # mlx_lm.server alone hangs here with a traceback; serve checks before it starts.
-        done, wall = _serve("--no-metrics", "--", "--model", model_dirs["hybrid4"], "--port", port)
+        done = _serve("--no-metrics", "--", "--model", model_dirs["hybrid4"], "--port", port)
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1 and wall < 60
-        done, _ = _serve("--metrics-port", port, "--", "--model", model_dirs["hybrid4"])
+        assert len(done.stderr.strip().splitlines()) == 1  # its one line, not a server's log
+        done = _serve("--metrics-port", port, "--", "--model", model_dirs["hybrid4"])
         assert done.returncode == 2 and f"{port}" in done.stderr and "--no-metrics" in done.stderr
         assert "Traceback" not in done.stderr
     free = free_port()
-    done, _ = _serve("--metrics-port", free, "--", "--model", model_dirs["hybrid4"], "--port", free)
+    done = _serve("--metrics-port", free, "--", "--model", model_dirs["hybrid4"], "--port", free)
     assert done.returncode == 2 and f"--port {free} is the metrics port" in done.stderr
 
 

@@ -221,9 +221,10 @@ def test_every_rank_stops_at_the_same_step(job):
 
 def test_coordination_cost_stays_small(job):
     for r in results(job):
+        # The collective runs once a round, a round every `every` steps: not once per step. (Counted,
+        # not timed: its seconds against the decode's are the machine's.)
         assert r["rounds"] == r["steps"] // r["every"]
-        # Generous on a shared 2-core box: the gate is that it is not the collective per step.
-        assert r["coordinator_seconds"] < 0.05 * r["decode_seconds"], r
+        assert r["collectives"] == r["rounds"] and r["every"] > 1, r
 
 
 def test_prometheus_scrapes_both_ranks_with_rank_labels(job):

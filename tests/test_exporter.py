@@ -11,12 +11,14 @@ skip with a loud reason; under CI=true they fail.
 
 import asyncio
 import datetime
+import gc
 import io
 import math
 import os
 import shutil
 import socket
 import ssl
+import statistics
 import subprocess
 import sys
 import threading
@@ -35,6 +37,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 from support import (
+    FakeClock,
     busy_port,
     free_port,
     http_get,
@@ -46,7 +49,7 @@ from support import (
 )
 
 import mlx_watchdog
-from mlx_watchdog import Watchdog, watch
+from mlx_watchdog import ResourceLimitForecast, Watchdog, watch
 from mlx_watchdog.attach.model import unwatch_model, watch_model
 from mlx_watchdog.core import coordination
 from mlx_watchdog.core.limits import device_name
@@ -77,6 +80,12 @@ GAUGES = {
     "mlx_watchdog_max_safe_prefill_tokens",
     "mlx_watchdog_rate_known",
     "mlx_watchdog_decoding",
+    "mlx_watchdog_stop_forecast_held",
+    "mlx_watchdog_last_stop_timestamp_seconds",
+    "mlx_watchdog_last_stop_steps_to_limit",
+    "mlx_watchdog_last_stop_leak_buffers_per_step",
+    "mlx_watchdog_compiled_signatures",
+    "mlx_watchdog_compiled_entry_buffers",
 }
 COUNTERS = {  # sample names; the family names lack "_total"
     "mlx_watchdog_steps_total",
@@ -91,8 +100,18 @@ EXTRA_LABELS = {
     "mlx_watchdog_leak_buffers_per_step": {"site"},
     "mlx_watchdog_fixed_leak_buffers_per_step": {"site"},
     "mlx_watchdog_bounded_site_peak_buffers": {"site"},
+    "mlx_watchdog_compiled_signatures": {"function"},
+    "mlx_watchdog_compiled_entry_buffers": {"function"},
     "mlx_watchdog_stops_total": {"reason"},
-    "mlx_watchdog_info": {"version", "mlx_version", "mlx_lm_version", "device", "fix"},
+    "mlx_watchdog_last_stop_timestamp_seconds": {"reason"},
+    "mlx_watchdog_last_stop_steps_to_limit": {"reason"},
+    "mlx_watchdog_last_stop_leak_buffers_per_step": {"reason", "site"},
+    "mlx_watchdog_info": {"version", "mlx_version", "mlx_lm_version", "device", "backend", "fix"},
+}
+LAST_STOP = {  # exported once a stop of that reason happened
+    "mlx_watchdog_last_stop_timestamp_seconds",
+    "mlx_watchdog_last_stop_steps_to_limit",
+    "mlx_watchdog_last_stop_leak_buffers_per_step",
 }
 LEAK_SITE = "ArraysCache.left_padding"
 LEAK_PER_STEP = 5  # 8 layers, full attention every 4th: 6 linear-attention layers - 1
@@ -124,6 +143,17 @@ def value(families: dict, sample_name: str, **labels) -> float:
     found = samples(families, sample_name, **labels)
     assert len(found) == 1, f"{sample_name}{labels}: expected one sample, got {found}"
     return found[0].value
+
+
+@pytest.fixture(scope="module", autouse=True)
+def watchdog_time():
+    """The module's decodes run the watchdog on the fake clock (support.FakeClock), a step 10 ms
+    after the last, walks free: when it walks, and whether a decode that holds still between two
+    tests still reads as decoding, are the same on any machine, at any load."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        clock = FakeClock().install(monkeypatch)
+        clock.step_each_observe(monkeypatch, 0.01)
+        yield clock
 
 
 class Decode:
@@ -213,9 +243,19 @@ def test_promtool_check_metrics_has_no_findings(leaky, flat, fixed, sawtooth, re
     prefill = Watchdog(name="exp-prefill")  # fills the families a decode leaves empty
     # the readings a prefill guard installed on the watchdog gives its forecast
     prefill.prefill_guard = types.SimpleNamespace(graph_nodes=149_000, safe_tokens=900)
-    prefill.record_stop("forecast")
+    prefill.record_stop("forecast", leaky.wd.forecast())  # a forecast with a leak site
     prefill.record_stop("coordinator")
-    text = generate_latest(registry)
+    # a compiled function that keeps a cache entry of 3 buffers (its families are the process's)
+    from mlx_watchdog.core import compiled
+
+    scaled = compiled.CompiledFunction("exp.scaled")
+    scaled.traced(("signature",), 0)
+    scaled.measured(3)
+    compiled.register(scaled)
+    try:
+        text = generate_latest(registry)
+    finally:
+        compiled.unregister(scaled)
     names = {s.name for f in text_string_to_metric_families(text.decode()) for s in f.samples}
     assert exporter.exposed_metric_names() <= names, "every family should have a sample here"
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
@@ -244,13 +284,19 @@ def test_names_types_help_and_labels(leaky, flat):
             assert set(s.labels) == {"watchdog"} | EXTRA_LABELS.get(s.name, set()), (s.name, s.labels)
     # Both watchdogs, under their own names, in every family of per-watchdog readings.
     for name in ("exp-leaky", "exp-flat"):
-        for sample_name in (GAUGES | COUNTERS) - {
-            "mlx_watchdog_leak_buffers_per_step",
-            "mlx_watchdog_fixed_leak_buffers_per_step",
-            "mlx_watchdog_bounded_site_peak_buffers",
-            "mlx_watchdog_prefill_graph_nodes",
-            "mlx_watchdog_max_safe_prefill_tokens",
-        }:
+        for sample_name in (
+            (GAUGES | COUNTERS)
+            - {
+                "mlx_watchdog_leak_buffers_per_step",
+                "mlx_watchdog_fixed_leak_buffers_per_step",
+                "mlx_watchdog_bounded_site_peak_buffers",
+                "mlx_watchdog_prefill_graph_nodes",
+                "mlx_watchdog_max_safe_prefill_tokens",
+                "mlx_watchdog_compiled_signatures",  # while a compiled function keeps an entry
+                "mlx_watchdog_compiled_entry_buffers",
+            }
+            - LAST_STOP
+        ):
             assert samples(families, sample_name, watchdog=name), (sample_name, name)
     # Prefill readings are left out while unknown (None), not exported as 0.
     assert not samples(families, "mlx_watchdog_prefill_graph_nodes", watchdog="exp-leaky")
@@ -259,6 +305,9 @@ def test_names_types_help_and_labels(leaky, flat):
     assert info.labels["version"] == mlx_watchdog.__version__
     assert info.labels["mlx_version"] == mx.__version__
     assert info.labels["device"] == device_name()
+    assert info.labels["backend"] == (
+        "metal" if mx.metal.is_available() else "cuda" if mx.cuda.is_available() else "cpu"
+    )
     assert info.labels["fix"] == "false"
     assert info.labels["mlx_lm_version"].count(".") >= 1
 
@@ -1047,3 +1096,98 @@ def test_a_site_that_stops_leaking_reads_0_instead_of_vanishing():
         "LeakyCache01.offset": 0,
         "LeakyCache02.offset": 0,
     }
+
+
+# --------------------------------------------------------------------------- after a stop
+
+
+@pytest.mark.parametrize("ended", [True, False], ids=["ended", "idle"])
+def test_a_stops_forecast_stays_exported_until_a_new_reading_replaces_it(counter, ended, watchdog_time):
+    """A stop ends the batch that leaked and its caches die. Said so (the instrumentor's watchdogs
+    forget their growth when they stop, an attachment says the generation ended), the watchdog
+    reads the growth as unknown; left alone, it reads nothing growing once idle. Until a reading
+    measures the growth again, the exporter publishes the stop's forecast instead: its rate (the
+    exact count's), leak site and steps to the limit."""
+    model = build_model("qwen3_next", layers=8)
+    limit, stop_within = 800, 50
+    wd = Watchdog(
+        limit=limit,
+        stop_within=stop_within,
+        name="exp-stop",
+        overhead_budget=0.5,
+        walk_interval=0,
+        export=False,
+    )
+    watch_model(model, wd)
+    reg = CollectorRegistry()
+    reg.register(exporter.WatchdogCollector([wd]))
+    mine = {"watchdog": "exp-stop"}
+    try:
+        gen = BatchGenerator(model, max_tokens=100_000)
+        gen.insert(tiny_prompts(2, 6, 512, seed=1))  # equal lengths: leaks
+        live = []
+        with pytest.raises(ResourceLimitForecast) as stopped:
+            for _ in range(1000):
+                gen.next_generated()
+                live.append(counter.live())
+        before = time.time()
+        forecast, message = stopped.value.forecast, str(stopped.value)
+        del stopped  # its traceback holds the batch's caches
+        truth = statistics.median(b - a for a, b in zip(live, live[1:]))  # the exact count's growth per step
+        assert truth == LEAK_PER_STEP
+        assert forecast.steps_to_limit <= stop_within and forecast.limit == limit
+        assert ("Metal" in message) == bool(mx.metal.is_available()), message
+        if ended:
+            wd.reset()  # as the instrumentor's watchdogs do when they stop
+        gen.close()
+        del gen
+        gc.collect()
+        assert counter.live(collect=True) < live[-1] - 30 * LEAK_PER_STEP  # its leaked chains went with it
+        if ended:
+            wd.generation_ended()
+        watchdog_time.now += 60  # a minute without a step, on the watchdog's clock
+        assert not wd.decoding()  # left alone: idle after a few seconds without a step
+        now = wd.forecast()  # what would be exported from it alone:
+        if ended:
+            assert not now.rate_known  # NaN
+        else:
+            assert now.rate_known and not now.decoding  # 0 per step, +Inf steps, the site at 0
+
+        families = scrape(reg)
+        assert value(families, "mlx_watchdog_stop_forecast_held", **mine) == 1
+        assert value(families, "mlx_watchdog_rate_known", **mine) == 1
+        assert value(families, "mlx_watchdog_decoding", **mine) == 0
+        assert value(families, "mlx_watchdog_buffers_per_step", **mine) == pytest.approx(truth, abs=0.5)
+        assert value(families, "mlx_watchdog_steps_to_limit", **mine) == forecast.steps_to_limit
+        assert value(families, "mlx_watchdog_time_to_limit_seconds", **mine) == forecast.seconds_to_limit
+        site = {"site": LEAK_SITE, **mine}
+        assert value(families, "mlx_watchdog_leak_buffers_per_step", **site) == pytest.approx(truth, abs=0.5)
+        # The stop itself, for an alert: when, the steps it forecast and its sites, by reason.
+        stop = {"reason": "forecast", **mine}
+        assert value(families, "mlx_watchdog_stops_total", **stop) == 1
+        assert before - 60 < value(families, "mlx_watchdog_last_stop_timestamp_seconds", **stop) <= before
+        assert value(families, "mlx_watchdog_last_stop_steps_to_limit", **stop) == forecast.steps_to_limit
+        assert value(
+            families, "mlx_watchdog_last_stop_leak_buffers_per_step", site=LEAK_SITE, **stop
+        ) == pytest.approx(truth, abs=0.5)
+        assert scrape(reg).keys() == families.keys()  # a second scrape: the same, still held
+
+        # A new decode (unequal lengths: nothing leaks) measures the growth again: it replaces them.
+        gen = BatchGenerator(model, max_tokens=100_000)
+        gen.insert([tiny_prompts(1, 4, 512, seed=2)[0], tiny_prompts(1, 7, 512, seed=3)[0]])
+        live = []
+        for _ in range(120):
+            gen.next_generated()
+            live.append(counter.live())
+        families = scrape(reg)
+        gen.close()
+        assert statistics.median(b - a for a, b in zip(live, live[1:])) == 0  # the truth: flat
+        assert value(families, "mlx_watchdog_stop_forecast_held", **mine) == 0
+        assert value(families, "mlx_watchdog_rate_known", **mine) == 1
+        assert value(families, "mlx_watchdog_buffers_per_step", **mine) == 0
+        assert value(families, "mlx_watchdog_steps_to_limit", **mine) == math.inf
+        assert value(families, "mlx_watchdog_leak_buffers_per_step", **site) == 0
+        # The stop's own series stay: they are about the stop.
+        assert value(families, "mlx_watchdog_last_stop_steps_to_limit", **stop) == forecast.steps_to_limit
+    finally:
+        unwatch_model(model)

@@ -10,7 +10,6 @@ program would not have, must not stall the decode pipeline, and must swallow its
 import logging
 import os
 import sys
-import time
 import types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,6 +32,16 @@ from mlx_watchdog.core.graph import account, is_evaluated
 LEAK_LAYERS = 4  # qwen3_next, full attention every 4th layer: 3 linear-attention layers
 LEAK_RATE = LEAK_LAYERS - LEAK_LAYERS // 4 - 1  # (linear layers - 1) buffers per batched step
 LEAK_SITE = "ArraysCache.left_padding"
+STEP_SECONDS = 0.01  # a decode step on the watchdog's clock
+
+
+@pytest.fixture(autouse=True)
+def watchdog_time(monkeypatch, fake_clock):
+    """Every test here runs the watchdog on the fake clock (conftest), a step STEP_SECONDS after
+    the last; walks and fixes take none of it unless a test charges them. When the watchdog
+    walks, fixes and warns is then the same on any machine, at any load."""
+    fake_clock.step_each_observe(monkeypatch, STEP_SECONDS)
+    return fake_clock
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -353,7 +362,8 @@ def _resident_at_start(m, watching) -> int:
     return wd.forecast().resident_buffers
 
 
-def test_warn_within_logs_once_a_minute_naming_the_top_site(watching, caplog, monkeypatch):
+def test_warn_within_logs_once_a_minute_naming_the_top_site(watching, caplog, fake_clock):
+    # On the fake clock (watchdog_time), "within the minute" is the test's, not the machine's.
     m = model("qwen3_next", LEAK_LAYERS)
     limit = _resident_at_start(m, watching) + 100_000
     received = []
@@ -393,8 +403,7 @@ def test_warn_within_logs_once_a_minute_naming_the_top_site(watching, caplog, mo
     assert wd.forecast().steps_to_limit < 1_000_000
     assert len(warnings()) == 1
     # A minute later it warns again.
-    later = time.monotonic() + 61
-    monkeypatch.setattr(actions, "time", Proxy(time, monotonic=lambda: later))
+    fake_clock.now += actions.WARN_INTERVAL_SECONDS
     batched_decode(m, PROMPTS, 5)
     assert len(warnings()) == 2
 
@@ -629,25 +638,20 @@ def test_fix_every_n_steps(every, monkeypatch):
 
 
 @pytest.mark.mlx_lm_neutral
-def test_materializing_does_not_starve_the_walks(monkeypatch):
+def test_materializing_does_not_starve_the_walks(monkeypatch, watchdog_time):
     """Scheduling the cut chains moves work the decode does anyway (the CPU backend's
     async_eval of a hybrid model's states takes ~0.3 ms a step): it must not use up the walk
     budget, or fix mode goes blind after its first steps (no new forecast, so no stop).
     Two watchdogs side by side, one whose materializing is slow (20% of a step): it must
-    keep walking like the other. Their walks are spaced by a set interval (0.2 s, ~18 steps):
-    by default the interval follows each walk's own CPU time (0.17-0.65 ms here, so 0.5-0.65 s),
-    and the two drift apart by up to a whole interval under load (CI: last walks 262 and 300)."""
-
-    def spin(seconds):  # CPU work (the budget is charged in thread CPU time)
-        end = time.thread_time() + seconds
-        while time.thread_time() < end:
-            pass
-
+    keep walking like the other. Their walks are spaced by a set interval (0.2 s, 10 steps
+    of two observes): by default the interval follows each walk's own CPU time."""
+    clock = watchdog_time  # each observe() a step of STEP_SECONDS
+    clock.charge_walks(monkeypatch, lambda reading: 2**-12)  # ~0.25 ms a walk (0.17-0.65 ms here)
     slow_cache, fast_cache = ScalarChain(), ScalarChain()
 
     def async_eval(*args):
         if any(a is slow_cache.x for a in args[0]):
-            spin(0.002)
+            clock.work(0.4 * STEP_SECONDS)  # 20% of a step of both
         return mx.async_eval(*args)
 
     monkeypatch.setattr(core, "mx", MxProxy(async_eval=async_eval))
@@ -655,15 +659,13 @@ def test_materializing_does_not_starve_the_walks(monkeypatch):
     steps = 300
     pairs = [(slow, slow_cache), (fast, fast_cache)]
     for step in range(steps):
-        for wd, cache in pairs if step % 2 else pairs[::-1]:  # alternate: the first one after the
-            wd.observe(cache)  # long step walks slower (cold caches)
+        for wd, cache in pairs if step % 2 else pairs[::-1]:  # alternate which one goes first
+            wd.observe(cache)
             cache.step()
-        spin(0.01)  # the decode step itself
     assert slow.materialized_arrays >= steps // 3  # the fix ran (every other step while walks are dense)
     last_slow, last_fast = slow.forecast().measured_step, fast.forecast().measured_step
     assert last_fast > steps - 40  # walks went on to the end
     # Charged to the budget, the slow one's fix would spend the start-up credit by step ~120.
-    # (Under load each one's walks drift by a few steps: each is due 0.2 s after the last one.)
     assert last_slow >= last_fast - 20 and slow.walks >= fast.walks - 2, (
         last_slow,
         last_fast,
@@ -735,10 +737,13 @@ def test_a_fix_that_meets_long_chains_cuts_them_a_share_a_step(counter, monkeypa
     assert left < held / 10, (left, held)  # the chains' buffers are gone
 
 
-def test_shares_that_cannot_run_do_not_stop_the_walks():
+def test_shares_that_cannot_run_do_not_stop_the_walks(monkeypatch, watchdog_time):
     # The shares wait for the program's output, like every fix; a program that stops evaluating
     # it (here: its output stays lazy once the shares began) must not leave the walks waiting for
     # shares that never come: they go on within twice the steps the shares needed (and a probe's).
+    # A step of STEP_SECONDS (watchdog_time) is the decode's own time, which pays for the walks;
+    # a walk costs 3 us a node, as here.
+    watchdog_time.charge_walks(monkeypatch, lambda reading: 3e-6 * (reading.pending_nodes + 100))
     caches = [LongChain(2000) for _ in range(12)]
     wd = Watchdog(limit=10**7, export=False, fix=True, overhead_budget=1.0, walk_interval=0)
     lazy = mx.array(1) + 1
@@ -752,7 +757,6 @@ def test_shares_that_cannot_run_do_not_stop_the_walks():
             walks_after.append(wd.steps)
         for c in caches:
             c.step()
-        time.sleep(0.005)  # the decode's own time, which pays for the walks
     assert backlog_at is not None  # the shares began
     shares = -(-12 // (fix_module.FIX_NODES // 2000))
     deadline = backlog_at + 2 * shares + 2 * max(fix_module.PROBE_STEPS)
@@ -762,7 +766,8 @@ def test_shares_that_cannot_run_do_not_stop_the_walks():
 
 
 def test_resident_between_walks_follows_the_fix_sawtooth(counter):
-    # Fix mode, fixes 32 steps apart, walks far fewer (every 2 s of decode): between two fixes the
+    # Fix mode, fixes 32 steps apart, walks far fewer (every 2 s of decode, 200 steps of
+    # watchdog_time's): between two fixes the
     # chains the fix cuts grow back, 8 buffers a step here (up to 256 above the cut level). The
     # resident count read at any step, walked or not, follows the exact count within 5%.
     class Chain:

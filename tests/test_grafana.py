@@ -76,6 +76,10 @@ CONTRACT = frozenset(
         "mlx_watchdog_prefill_graph_nodes",
         "mlx_watchdog_max_safe_prefill_tokens",
         "mlx_watchdog_info",
+        "mlx_watchdog_stop_forecast_held",
+        "mlx_watchdog_last_stop_timestamp_seconds",
+        "mlx_watchdog_last_stop_steps_to_limit",
+        "mlx_watchdog_last_stop_leak_buffers_per_step",
         # counters
         "mlx_watchdog_steps_total",
         "mlx_watchdog_materialized_arrays_total",
@@ -491,6 +495,7 @@ def synthetic_openmetrics(end: int) -> str:
         add("mlx_watchdog_folded_leak_sites", labels, [0.0] * n)
         add("mlx_watchdog_decoding", labels, [1] * n)
         add("mlx_watchdog_rate_known", labels, [1] * n)
+        add("mlx_watchdog_stop_forecast_held", labels, [0] * n)
         add("mlx_watchdog_memory_active_bytes", labels, [8e9 + 1e3 * s for s in steps])
         add("mlx_watchdog_memory_peak_bytes", labels, [9e9 + 1e3 * s for s in steps])
         add("mlx_watchdog_memory_cache_bytes", labels, [5e8] * n)
@@ -505,6 +510,7 @@ def synthetic_openmetrics(end: int) -> str:
             "mlx_version": "0.32.4",
             "mlx_lm_version": "0.32.2",
             "device": "gpu",
+            "backend": "metal",
             "fix": fix,
         }
         add("mlx_watchdog_info", info, [1.0] * n)
@@ -514,6 +520,13 @@ def synthetic_openmetrics(end: int) -> str:
         add("mlx_watchdog_reclaimed_buffers_total", labels, [(40 - growth) * s for s in steps])
         stops = [float(stop_reason is not None and t >= end - 4 * SCRAPE) for t in times]
         add("mlx_watchdog_stops_total", {**labels, "reason": stop_reason or "forecast"}, stops)
+        if stop_reason is not None:  # the stop's own series, from the stop on (NaN: no sample)
+            before = [math.nan if t < end - 4 * SCRAPE else 1.0 for t in times]
+            reason = {**labels, "reason": stop_reason}
+            add("mlx_watchdog_last_stop_timestamp_seconds", reason, [(end - 4 * SCRAPE) * b for b in before])
+            add("mlx_watchdog_last_stop_steps_to_limit", reason, [40.0 * b for b in before])
+            site = {**reason, "site": "ArraysCache.left_padding"}
+            add("mlx_watchdog_last_stop_leak_buffers_per_step", site, [growth * b for b in before])
         add("mlx_watchdog_overhead_seconds_total", labels, [0.01 * (t - start) for t in times])
         add("mlx_watchdog_internal_errors_total", labels, [float(i // 40) for i in range(n)])
 
@@ -521,6 +534,8 @@ def synthetic_openmetrics(end: int) -> str:
     for name, entries in series.items():
         for labels, values in entries:
             for t, v in zip(times, values):
+                if math.isnan(v):
+                    continue
                 lines.append(f"{name}{_fmt_labels(labels)} {_fmt_value(v)} {t}")
     lines.append("# EOF")
     return "\n".join(lines) + "\n"

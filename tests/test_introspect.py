@@ -216,7 +216,7 @@ def _dict_made(obj) -> bool:
     not INLINE_DETECTABLE, reason="inline attribute values are observable on CPython 3.11/3.12 only"
 )
 @pytest.mark.parametrize("inline", [True, False])
-def test_walked_caches_keep_their_inline_attributes(inline, monkeypatch):
+def test_walked_caches_keep_their_inline_attributes(inline, monkeypatch, fake_clock):
     """A decode's caches after the watchdog walked them and followed their paths: read through
     ``__dict__``, each would carry a dict for good and every attribute access of the forward
     would be slower (docs/internals.md, the walk). Reading ``__dict__`` (``inline=False``) shows
@@ -231,6 +231,7 @@ def test_walked_caches_keep_their_inline_attributes(inline, monkeypatch):
     monkeypatch.setattr(rawread, "INLINE_VALUES", inline)
     monkeypatch.setattr(rawread, "_types", {})  # names learnt by earlier tests start again
     model = tiny.build_model("llama", layers=4)
+    fake_clock.step_each_observe(monkeypatch, 0.01)  # its walks and fixes by the schedule, on any machine
     wd = Watchdog(export=False, fix=True, fix_every=2)
     watch_model(model, wd)
     cache = make_prompt_cache(model)

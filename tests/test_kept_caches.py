@@ -77,7 +77,8 @@ def kept_arrays(server: PrefixCacheServer) -> list[mx.array]:
 def run(counter, model, fix: bool):
     """Serve REQUESTS requests watched; rows of (watchdog step, exact count, resident read, read
     at that step) after each, counts above the count before the first."""
-    # A budget that allows a reading at each request's end (when to read is not tested here).
+    # A budget that allows a reading at each request's end (when to read is not tested here): on
+    # the fake clock (the caller's), steps 10 ms apart and walks free, on any machine.
     wd = Watchdog(limit=200_000, export=False, fix=fix, overhead_budget=0.1)
     watch_model(model, wd)
     server = PrefixCacheServer(model, wd)
@@ -91,7 +92,10 @@ def run(counter, model, fix: bool):
     return wd, server, baseline, rows
 
 
-def test_kept_caches_are_counted_named_and_read_as_growth_per_request(counter, hybrid):
+def test_kept_caches_are_counted_named_and_read_as_growth_per_request(
+    counter, hybrid, monkeypatch, fake_clock
+):
+    fake_clock.step_each_observe(monkeypatch, 0.01)
     wd, server, baseline, rows = run(counter, hybrid, fix=False)
     table = "\n".join(map(str, rows))
     print("\nno fix: (step, exact, read, read at that step)\n" + table)
@@ -120,7 +124,10 @@ def test_kept_caches_are_counted_named_and_read_as_growth_per_request(counter, h
     unwatch_model(hybrid)
 
 
-def test_the_fix_cuts_kept_caches_and_a_dropped_one_leaves_nothing_behind(counter, hybrid):
+def test_the_fix_cuts_kept_caches_and_a_dropped_one_leaves_nothing_behind(
+    counter, hybrid, monkeypatch, fake_clock
+):
+    fake_clock.step_each_observe(monkeypatch, 0.01)
     wd, server, baseline, rows = run(counter, hybrid, fix=True)
     table = "\n".join(map(str, rows))
     print("\nfix: (step, exact, read, read at that step)\n" + table)

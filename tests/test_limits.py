@@ -120,7 +120,7 @@ def test_the_counter_is_the_exact_source(metal):
     assert f.steps_to_limit == pytest.approx(expected, rel=0.01)
 
 
-def test_a_stop_is_decided_after_mlx_releases_its_cache(metal):
+def test_a_stop_is_decided_after_mlx_releases_its_cache(metal, fake_clock):
     """A cache holding most of the headroom would stop the generation; MLX releases it before it
     fails, so the watchdog releases it first and reads again: no stop. A leak that reaches the
     limit anyway still stops."""
@@ -130,6 +130,7 @@ def test_a_stop_is_decided_after_mlx_releases_its_cache(metal):
     wd = Watchdog(limit=10_000, export=False, walk_interval=0, stop_within=500)
     chain = Chain()
     for _ in range(64):
+        fake_clock.now += 0.01  # a step's time on the watchdog's clock, on any machine
         wd.observe(chain)
         chain.step()
         stand_in.live += 1
@@ -138,6 +139,7 @@ def test_a_stop_is_decided_after_mlx_releases_its_cache(metal):
 
     with pytest.raises(ResourceLimitForecast):
         for _ in range(10_000):
+            fake_clock.now += 0.01
             wd.observe(chain)
             chain.step()
             stand_in.live += 50

@@ -4,6 +4,7 @@ watchdog/ is installed as ``mlx_watchdog`` and exporters/ as ``mlx_watchdog.expo
 every subpackage (core, attach, commands, tiny) and the py.typed marker; the command is
 ``mlx_watchdog.commands.main:main``."""
 
+import concurrent.futures
 import configparser
 import os
 import shutil
@@ -128,36 +129,66 @@ def _site_packages() -> str:
 
 # --------------------------------------------------------------------------- beside the servers
 
-# Servers users run the watchdog beside: their pins of mlx-lm (0.31.x) and mlx decide ours.
-PEERS = ("vllm-mlx==0.6.0", "mlx-vlm==0.7.10")
-# Where the resolution is checked: this machine (its Python), and Apple silicon (macOS 14, the
-# oldest macOS MLX ships wheels for) on the oldest Python the package supports.
+# The servers of docs/servers.md that PyPI has, at the versions the page names: their pins of mlx
+# and mlx-lm decide ours (mlx-openai-server, through mflux 0.17, and mlx-omni-server, which the
+# page does not list but users run, require mlx < 0.32 on macOS; vllm-mlx and Rapid-MLX mlx-lm
+# < 0.32). Not here: oMLX (GitHub jundot/omlx) and LM Studio's mlx-engine (GitHub
+# lmstudio-ai/mlx-engine) are not on PyPI; each installs from its repository, with mlx-lm (and
+# mlx-vlm) at git commits that only a clone of theirs resolves.
+SERVERS = {
+    "mlx_lm.server": "mlx-lm==0.32.2",
+    "vllm-mlx": "vllm-mlx==0.6.0",
+    "mlx-vlm": "mlx-vlm==0.7.10",
+    "mlx-openai-server": "mlx-openai-server==1.8.1",
+    "Rapid-MLX": "rapid-mlx==0.16.10",
+    "mlx-omni-server": "mlx-omni-server==0.5.3",
+}
+# Where the resolution is checked: Apple silicon (macOS 14, the oldest macOS MLX ships wheels for),
+# where every server runs; for the two the tests run (tests/peers), also this machine and the
+# oldest Python the package supports.
 TARGETS = {
+    "macos": ["--python-platform", "aarch64-apple-darwin", "--python-version", "3.12"],
     "here": [],
     "macos-3.10": ["--python-platform", "aarch64-apple-darwin", "--python-version", "3.10"],
 }
+PACKAGE = f"mlx-watchdog @ {ROOT.as_uri()}"
+CASES = {
+    **{(server, "macos"): ([PACKAGE, pin], "macos", ()) for server, pin in SERVERS.items()},
+    **{
+        (s, t): ([PACKAGE, SERVERS[s]], t, ())
+        for s in ("vllm-mlx", "mlx-vlm")
+        for t in ("here", "macos-3.10")
+    },
+    # The check can fail: mlx-lm >= 0.32 (this package's pin before 0.31 was supported) beside
+    # vllm-mlx, which pins mlx-lm < 0.32; mlx >= 0.32.4 (its pin before mlx 0.31.2 was) beside
+    # mlx-openai-server.
+    ("conflict: mlx-lm>=0.32.2", "here"): ([PACKAGE, SERVERS["vllm-mlx"]], "here", ("mlx-lm>=0.32.2",)),
+    ("conflict: mlx>=0.32.4", "macos"): ([PACKAGE, SERVERS["mlx-openai-server"]], "macos", ("mlx>=0.32.4",)),
+}
 
 
-def _resolve(tmp_path: Path, requirements: list[str], target: str, constraints: list[str] = ()):
+def _resolve(folder: Path, requirements: list[str], target: str, constraints=()):
     """``uv pip compile`` of ``requirements`` for ``target``: metadata only (uv reads a wheel's
     METADATA with range requests where the index serves no PEP 658 file; pip downloads every
     wheel, ~1 GB here, torch's CUDA build too). Returns (exit status, resolved pins, stderr)."""
     uv = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
     if uv is None:
-        missing("uv is not installed (it comes with the test extras: pip install -e '.[test]')")
-    (tmp_path / "requirements.in").write_text("\n".join(requirements) + "\n")
-    (tmp_path / "constraints.txt").write_text("\n".join(constraints) + "\n")
+        return None, {}, "uv is not installed (it comes with the test extras: pip install -e '.[test]')"
+    folder.mkdir(parents=True)
+    (folder / "requirements.in").write_text("\n".join(requirements) + "\n")
+    (folder / "constraints.txt").write_text("\n".join(constraints) + "\n")
     command = [uv, "pip", "compile", "--quiet", "--no-header", "--python", sys.executable]
-    command += [*TARGETS[target], "--constraint", str(tmp_path / "constraints.txt")]
-    result = subprocess.run(
-        [*command, str(tmp_path / "requirements.in")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "MACOSX_DEPLOYMENT_TARGET": "14.0"},
-    )
-    if result.returncode != 0 and "No solution found" not in result.stderr:
-        missing(f"uv could not resolve from PyPI (offline?): {result.stderr[-1000:]}")
+    command += [*TARGETS[target], "--constraint", str(folder / "constraints.txt")]
+    try:
+        result = subprocess.run(
+            [*command, str(folder / "requirements.in")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "MACOSX_DEPLOYMENT_TARGET": "14.0"},
+        )
+    except subprocess.TimeoutExpired:
+        return None, {}, "uv pip compile took more than 300 s"
     pins = dict(
         line.split("==", 1)
         for line in result.stdout.splitlines()
@@ -166,20 +197,43 @@ def _resolve(tmp_path: Path, requirements: list[str], target: str, constraints: 
     return result.returncode, pins, result.stderr
 
 
-@pytest.mark.parametrize("target", list(TARGETS))
-@pytest.mark.parametrize("peer", PEERS)
-def test_the_package_installs_beside_the_servers_users_run(tmp_path, peer, target):
-    status, pins, stderr = _resolve(tmp_path, [f"mlx-watchdog @ {ROOT.as_uri()}", peer], target)
+@pytest.fixture(scope="module")
+def resolutions(tmp_path_factory):
+    """Every case resolved at once, a few at a time: each waits on the index more than it computes
+    (one case alone: 15-30 s here, its cache warm or not)."""
+    folder = tmp_path_factory.mktemp("resolve")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {
+            case: pool.submit(_resolve, folder / f"case{i}", *arguments)
+            for i, (case, arguments) in enumerate(CASES.items())
+        }
+        return {case: future.result() for case, future in futures.items()}
+
+
+def _resolved(resolutions, case):
+    status, pins, stderr = resolutions[case]
+    if status is None or (status != 0 and "No solution found" not in stderr):
+        missing(f"uv could not resolve from PyPI (offline?): {stderr[-1000:]}")
+    return status, pins, stderr
+
+
+@pytest.mark.parametrize("server, target", [case for case in CASES if not case[0].startswith("conflict")])
+def test_the_package_installs_beside_the_servers_users_run(resolutions, server, target):
+    status, pins, stderr = _resolved(resolutions, (server, target))
     assert status == 0, stderr[-3000:]
-    name, version = peer.split("==")
+    name, version = SERVERS[server].split("==")
     assert pins[name] == version and "mlx-lm" in pins and "mlx" in pins, pins
     # torch (vllm-mlx's torchvision) resolved from its metadata, never downloaded: see _resolve.
 
 
-def test_a_pin_that_conflicts_with_a_server_is_found(tmp_path):
-    # The check can fail: mlx-lm >= 0.32 (this package's pin before 0.31 was supported) beside
-    # vllm-mlx, which pins mlx-lm < 0.32.
-    status, _, stderr = _resolve(
-        tmp_path, [f"mlx-watchdog @ {ROOT.as_uri()}", "vllm-mlx==0.6.0"], "here", ["mlx-lm>=0.32.2"]
-    )
-    assert status != 0 and "mlx-lm" in stderr, stderr[-3000:]
+def test_mlx_0_31_is_what_the_servers_that_pin_mlx_below_0_32_get(resolutions):
+    for server in ("mlx-openai-server", "mlx-omni-server"):
+        _, pins, _ = _resolved(resolutions, (server, "macos"))
+        assert pins and pins["mlx"].startswith("0.31."), (server, pins)
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case[0].startswith("conflict")])
+def test_a_pin_that_conflicts_with_a_server_is_found(resolutions, case):
+    status, _, stderr = _resolved(resolutions, case)
+    version = CASES[case][2][0].split(">=")[1]  # uv names the bound it could not meet
+    assert status != 0 and "No solution found" in stderr and version in stderr, stderr[-3000:]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import LOOPBACK, free_port, http_get, log_tail, missing, stop_process, wait_ready
+from support import LOOPBACK, free_port, http_get, log_tail, missing, sse_events, stop_process, wait_ready
 
 TESTS = Path(__file__).resolve().parent
 PEERS = TESTS / "peers"
@@ -96,6 +96,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def server_command(peer: str, env: Path, model: Path, port: int) -> list[str]:
+    if peer == "rapid-mlx":  # tests/test_peers_rapid.py; nothing sent home, no check for a newer release
+        return [str(env / "bin" / "rapid-mlx"), "--no-telemetry", "--disable-version-check", "serve", str(model),
+                "--host", LOOPBACK, "--port", str(port)]  # fmt: skip
     if peer == "vllm-mlx":
         return [str(env / "bin" / "vllm-mlx"), "serve", str(model), "--host", LOOPBACK, "--port", str(port),
                 "--continuous-batching"]  # fmt: skip
@@ -118,7 +121,7 @@ class Reply:
 class Peer:
     """``python -m mlx_watchdog run --metrics-port M WATCHDOG_ARGS -- <server> --port P``."""
 
-    def __init__(self, peer: str, peer_env: dict, model: Path, tmp: Path, watchdog_args=()):
+    def __init__(self, peer: str, peer_env: dict, model: Path, tmp: Path, watchdog_args=(), server_args=()):
         self.peer, self.tmp = peer, tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.port, self.metrics_port = free_port(), free_port()
@@ -131,7 +134,7 @@ class Peer:
             HF_HUB_OFFLINE="1",
             **{TRUTH_ENV: str(self.truth_file)},
         )
-        command = server_command(peer, peer_env["env"], model, self.port)
+        command = [*server_command(peer, peer_env["env"], model, self.port), *server_args]
         cmd = [str(peer_env["python"]), "-m", "mlx_watchdog", "run", "--metrics-port", str(self.metrics_port),
                *watchdog_args, "--", *command]  # fmt: skip
         started = time.monotonic()
@@ -175,15 +178,10 @@ class Peer:
                 choice = json.loads(response.read())["choices"][0]
                 reply.text, reply.finish = choice["message"]["content"] or "", choice.get("finish_reason")
             else:
-                for raw in response:
-                    line = raw.decode(errors="replace").strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
+                for event in sse_events(response):
+                    if event is None:
                         reply.done = True
                         continue
-                    event = json.loads(data)
                     if "error" in event:
                         reply.errors.append(event["error"])
                         continue

@@ -268,13 +268,19 @@ def test_nothing_of_mlx_or_the_core_is_imported_before_the_program_imports_mlx_l
     ]
     assert heavy == []
     ours = {m for m in before if m.startswith("mlx_watchdog")}
-    # The instrumentor and its bootstrap (standard library only), and the options' bounds (the same).
+    # The instrumentors and the bootstrap (standard library only), the options' bounds, the
+    # registry of compiled functions and the clock (the same).
     assert ours == {
         "mlx_watchdog",
         "mlx_watchdog.attach",
+        "mlx_watchdog.attach.compiled",
+        "mlx_watchdog.attach.imports",
         "mlx_watchdog.attach.loaders",
+        "mlx_watchdog.attach.training",
         "mlx_watchdog.bootstrap",
         "mlx_watchdog.core",
+        "mlx_watchdog.core.clock",
+        "mlx_watchdog.core.compiled",
         "mlx_watchdog.core.options",
     }, ours
     assert report["wrapped"] == "mlx_lm.utils"  # patched right after the program imported it
@@ -440,10 +446,12 @@ def test_sigterm_and_sighup_reach_the_program(tmp_path, signame, status):
 
 
 def test_instrument_and_uninstrument_restore_the_loaders_and_the_model(model_dirs, clean_instrumentation):
+    import mlx.core as mx
     import mlx_lm
     import mlx_lm.utils
 
     original = mlx_lm.utils.load_model
+    original_compile = mx.compile
     plain, _ = mlx_lm.load(str(model_dirs["qwen"]))
     original_class = type(plain)
     finders = list(sys.meta_path)
@@ -451,6 +459,7 @@ def test_instrument_and_uninstrument_restore_the_loaders_and_the_model(model_dir
     instrumentor = mlx_watchdog.instrument(fix=True)
     assert mlx_watchdog.instrument(fix=True) is instrumentor  # idempotent
     assert mlx_lm.utils.load_model is not original and mlx_lm.utils.load_model.__wrapped__ is original
+    assert mx.compile is not original_compile and mx.compile.__wrapped__ is original_compile  # training steps
     model, _ = mlx_lm.load(str(model_dirs["qwen"]))
     assert type(model) is not original_class and isinstance(model, original_class)
     (watchdog,) = instrumentor.watchdogs()
@@ -458,7 +467,7 @@ def test_instrument_and_uninstrument_restore_the_loaders_and_the_model(model_dir
     assert watchdog in mlx_watchdog.live_watchdogs()
 
     mlx_watchdog.uninstrument()
-    assert mlx_lm.utils.load_model is original
+    assert mlx_lm.utils.load_model is original and mx.compile is original_compile
     assert type(model) is original_class and watched_state(model) is None
     assert watchdog not in mlx_watchdog.live_watchdogs()
     assert sys.meta_path == finders
@@ -614,6 +623,105 @@ def test_after_a_stop_the_next_forward_is_not_stopped_again_from_stale_readings(
     instrumented = stops(model)
     assert len(instrumented) >= 2  # the leak goes on: stopped again, once measured again
     assert all(b - a >= 2 for a, b in zip(instrumented, instrumented[1:])), instrumented
+
+
+STOP_APP = textwrap.dedent(
+    f"""
+    import gc, json, os, statistics, sys, time
+    sys.path.insert(0, {str(TESTS)!r})
+    try:
+        import exact_buffers
+        counter, why = exact_buffers.install(), None
+    except RuntimeError as exc:
+        counter, why = None, str(exc)
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    path, out, release = sys.argv[1:]
+    model, _ = load(path)
+    gen = BatchGenerator(model, max_tokens=1_000_000)
+    gen.insert([[5, 6, 7, 8, 9, 10]] * 2)  # equal lengths: leaks
+    live, message = [], None
+    for step in range(2000):
+        try:
+            gen.next_generated()
+        except RuntimeError as exc:  # as a server does: the requests fail, the program goes on
+            message = str(exc)
+            break
+        if counter is not None:
+            live.append(counter.live())
+    gen.close()
+    del gen
+    gc.collect()  # the batch is gone
+    # the exact count's growth per step (a step's blip, a buffer freed late, is not growth)
+    slope = statistics.median(b - a for a, b in zip(live, live[1:])) if counter is not None else None
+    with open(os.path.join(out, "stop.tmp"), "w") as f:
+        json.dump({{"pid": os.getpid(), "slope": slope, "message": message, "why": why}}, f)
+    os.replace(os.path.join(out, "stop.tmp"), os.path.join(out, "stop.json"))
+    while not os.path.exists(release):
+        time.sleep(0.05)
+    """
+)
+
+
+def test_after_a_stop_the_merged_endpoint_keeps_its_forecast(tmp_path, model_dirs):
+    """``run --limit 800 --stop-within 50``: the program catches the stop and goes on idle, its
+    batch gone. The merged endpoint still reads the stop's rate (the exact count's), leak site and
+    steps to the limit, and the stop itself, until a new reading replaces them."""
+    import mlx.core as mx
+
+    app, out, release = tmp_path / "stop_app.py", tmp_path / "out", tmp_path / "release"
+    app.write_text(STOP_APP)
+    out.mkdir()
+    port = free_port()
+    proc, log = supervisor(
+        tmp_path, "--metrics-port", port, "--limit", 800, "--stop-within", 50,
+        "--", PYTHON, app, model_dirs["qwen"], out, release,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "stop.json").exists():
+            assert proc.poll() is None, f"run exited with {proc.returncode}:\n{log_tail(log)}"
+            assert time.monotonic() < deadline, f"the program did not report:\n{log_tail(log)}"
+            time.sleep(0.2)
+        report = json.loads((out / "stop.json").read_text())
+        if report["slope"] is None:
+            missing(f"the exact live-buffer counter cannot be installed: {report['why']}")
+        pid, slope = report["pid"], report["slope"]
+        assert slope == LEAK  # the truth: it leaked
+        assert report["message"] and "configured 800" in report["message"], report
+        assert ("Metal" in report["message"]) == bool(mx.metal.is_available()), report
+        url = f"http://127.0.0.1:{port}/metrics"
+        deadline = time.monotonic() + 60
+        while True:  # the stop, and then idle: nothing steps, nothing measures the growth again
+            status, body = http_get(url)
+            text = body.decode()
+            if by_pid(text, "mlx_watchdog_decoding", pid) == [0.0]:
+                break
+            assert time.monotonic() < deadline, f"never idle:\n{text}\n{log_tail(log)}"
+            time.sleep(0.5)
+        assert by_pid(text, "mlx_watchdog_stops_total", pid, reason="forecast") == [1.0]
+        assert by_pid(text, "mlx_watchdog_stop_forecast_held", pid) == [1.0]
+        assert by_pid(text, "mlx_watchdog_rate_known", pid) == [1.0]
+        assert by_pid(text, "mlx_watchdog_buffers_per_step", pid) == [pytest.approx(slope, abs=0.5)]
+        site = {"site": "ArraysCache.left_padding"}
+        assert by_pid(text, "mlx_watchdog_leak_buffers_per_step", pid, **site) == [
+            pytest.approx(slope, abs=0.5)
+        ]
+        (steps,) = by_pid(text, "mlx_watchdog_steps_to_limit", pid)
+        assert 0 < steps <= 50
+        stop = {"reason": "forecast"}
+        assert by_pid(text, "mlx_watchdog_last_stop_steps_to_limit", pid, **stop) == [steps]
+        assert by_pid(text, "mlx_watchdog_last_stop_leak_buffers_per_step", pid, **stop, **site) == [
+            pytest.approx(slope, abs=0.5)
+        ]
+        (when,) = by_pid(text, "mlx_watchdog_last_stop_timestamp_seconds", pid, **stop)
+        assert time.time() - 300 < when < time.time()
+        release.write_text("")
+        assert proc.wait(timeout=60) == 0, log_tail(log)
+    finally:
+        release.write_text("")
+        stop_process(proc, group=True)
 
 
 # --------------------------------------------------------------------------- the snapshots

@@ -22,31 +22,21 @@ import os
 import re
 import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
+from support import cpu_load
 
 from mlx_watchdog import Watchdog
-from mlx_watchdog.core import watchdog as core
 
 SITE = "ArraysCache.left_padding"
 STEP_SECONDS = 1 / 61  # a decode step on the watchdog's clock: 0.5 s of decode is ~31 steps
 WALK_STEPS = 31  # steps between two walks once the dense ones are done
 LIMIT = 100_000
-
-
-class Clock:
-    """The core's clock, moved by the test: a decode step takes STEP_SECONDS."""
-
-    now = 1000.0
-
-    def perf_counter(self):
-        return self.now
-
-    monotonic = perf_counter
 
 
 def make_caches(n):
@@ -88,10 +78,10 @@ def peak_growth(peaks):
 
 
 @pytest.fixture
-def clock(monkeypatch):
-    clock = Clock()
-    monkeypatch.setattr(core, "time", clock)
-    return clock
+def clock(fake_clock):
+    """All the watchdog's time (conftest's fake_clock): a decode step takes STEP_SECONDS, and
+    walks take no time of it, on any machine."""
+    return fake_clock
 
 
 @pytest.mark.parametrize("interval", [8, 50, 256])
@@ -264,3 +254,128 @@ def test_the_cadence_reproduced_is_mlx_vlm_s_own():
     evaluated = code.index("mx.eval(", due.end())
     assert "c.state for c in self._generation_batch.prompt_cache" in code[evaluated:]
     assert code.index("mx.clear_cache()", evaluated) > evaluated
+
+
+# --------------------------------------------------------------------------- a leak beside a sawtooth
+
+
+class Mixed:
+    """One cache object: a chain the program evaluates every ``period`` steps (a sawtooth) and a
+    counter rebound each step and never evaluated (a leak, a buffer a step). ``layout``
+    "attributes": two attributes, two sites; "one site": both in one list attribute."""
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.rows, self.tick = mx.zeros((1, 4)), mx.array(0)
+        mx.eval(self.rows, self.tick)
+        if layout == "one site":
+            self.state = [self.rows, self.tick]
+            del self.rows, self.tick
+
+    def advance(self):
+        if self.layout == "one site":
+            rows, tick = self.state
+            self.state = [mx.concatenate([rows[:, -4:], mx.ones((1, 1))], axis=1), tick + 1]
+        else:
+            self.rows = mx.concatenate([self.rows[:, -4:], mx.ones((1, 1))], axis=1)
+            self.tick = self.tick + 1
+
+    def cut(self):
+        mx.eval(self.state[0] if self.layout == "one site" else self.rows)
+
+
+def decode_mixed(counter, clock, layout, period, steps, step_seconds, caches=1):
+    """``steps`` steps over ``caches`` Mixed caches, the sawtooth cut every ``period``; a step
+    takes ``step_seconds`` on the watchdog's clock (the fake one, or time.sleep where ``clock`` is
+    None). Returns the watchdog, the exact live count after each step and the forecasts by step."""
+    base = counter.live()
+    mixed = [Mixed(layout) for _ in range(caches)]
+    wd = Watchdog(limit=LIMIT, export=False)
+    live, forecasts = [], {}
+    for n in range(1, steps + 1):
+        if clock is None:
+            time.sleep(step_seconds)
+        else:
+            clock.now += step_seconds
+        wd.observe(mixed)
+        for c in mixed:
+            c.advance()
+        if n % period == 0:
+            for c in mixed:
+                c.cut()
+        live.append(counter.live() - base)
+        forecasts[n] = wd.forecast()
+    return wd, live, forecasts
+
+
+def verdicts(forecasts, first, last):
+    """(rate, leak sites, bounded sites) at each step from ``first`` to ``last``."""
+    return {
+        n: (f.buffers_per_step, tuple(leak.site for leak in f.leaks), tuple(site.site for site in f.bounded))
+        for n, f in forecasts.items()
+        if first <= n <= last
+    }
+
+
+def assert_reads(forecasts, first, last, rate, leaks, bounded):
+    """Every forecast from ``first`` to ``last``: the rate within 5%, those leak and bounded sites."""
+    for n, (read, read_leaks, read_bounded) in verdicts(forecasts, first, last).items():
+        assert read == pytest.approx(rate, rel=0.05, abs=1e-3), (n, forecasts[n].describe())
+        assert (read_leaks, read_bounded) == (leaks, bounded), (n, forecasts[n].describe())
+
+
+def expected(layout, caches):
+    leak, cut = ("Mixed.tick", "Mixed.rows") if layout == "attributes" else ("Mixed.state", None)
+    return float(caches), (leak,), (cut,) if cut else ()
+
+
+@pytest.mark.mlx_lm_neutral
+@pytest.mark.parametrize("layout", ["attributes", "one site"])
+@pytest.mark.parametrize("period", [8, 50])
+def test_a_leak_beside_a_sawtooth_in_one_object_reads_its_own_rate_and_site(counter, clock, layout, period):
+    wd, live, forecasts = decode_mixed(counter, clock, layout, period, 1000, STEP_SECONDS)
+    truth = (live[-1] - live[-1 - 10 * period]) / (10 * period)  # the exact count over whole periods
+    assert truth == pytest.approx(1.0)
+    # From two periods on (and past the dense walks), every forecast: the leak's own rate, the leak
+    # named, the sawtooth never a leak.
+    assert_reads(forecasts, max(2 * period, 65), 1000, *expected(layout, 1))
+
+
+@pytest.mark.mlx_lm_neutral
+@pytest.mark.parametrize("layout", ["attributes", "one site"])
+@pytest.mark.parametrize("step_seconds", [1 / 61, 1 / 500])
+def test_a_period_of_256_is_judged_within_two_periods_whatever_the_step_takes(
+    counter, clock, layout, step_seconds
+):
+    """oMLX evaluates its caches' offset every 256 steps. Four caches, each with a counter beside
+    it: judged by step 512 (two periods), the same verdict at a step of 16 ms and of 2 ms."""
+    wd, live, forecasts = decode_mixed(counter, clock, layout, 256, 1000, step_seconds, caches=4)
+    assert wd.internal_errors == 0
+    assert (live[-1] - live[-513]) / 512 == pytest.approx(4.0)  # the truth, over two periods
+    assert_reads(forecasts, 512, 1000, *expected(layout, 4))
+
+
+@pytest.mark.mlx_lm_neutral
+@pytest.mark.parametrize("step_seconds", [1 / 61, 1 / 500])
+def test_a_bounded_period_of_256_is_never_a_leak(counter, clock, step_seconds):
+    base = counter.live()
+    caches = make_caches(4)
+    wd = Watchdog(limit=LIMIT, export=False)
+    forecasts = {}
+    live = decode(
+        wd, clock, counter, caches, caches, 256, 1000, lambda n: forecasts.setdefault(n, wd.forecast())
+    )
+    live = [x - base for x in live]
+    assert len({count for _, count in exact_peaks(live)}) == 1  # the truth: the peaks do not grow
+    assert_reads(forecasts, 512, 1000, 0.0, (), (SITE,))
+
+
+@pytest.mark.mlx_lm_neutral
+def test_period_256_on_the_real_clock_beside_two_busy_processes(counter):
+    """No fake clock: walks by decode time come when the machine allows, the walks at steps
+    counted from the decode's start first in the budget. Judged before step 1,000."""
+    with cpu_load():
+        wd, live, forecasts = decode_mixed(counter, None, "attributes", 256, 1000, 0.002, caches=4)
+    assert (live[-1] - live[-513]) / 512 == pytest.approx(4.0)
+    assert wd.internal_errors == 0
+    assert_reads(forecasts, 990, 1000, *expected("attributes", 4))

@@ -6,10 +6,11 @@ as ``observe()`` drives the schedule (a walk whenever one is due), with new epoc
 and spent budgets thrown in: at every step, ``due`` is asked whatever the marks say, and must
 never be True while the marks are not reached."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_watchdog.core.schedule import Schedule
+from mlx_watchdog.core.schedule import BEAT_RATIO, FIRST_BEAT, Schedule
 
 events = st.lists(
     st.tuples(
@@ -67,8 +68,27 @@ def test_the_marks_skip_the_steps_between_walks():
     assert schedule.wake_step == 2  # the next dense offset (1 step in)
     for offset in (1, 2, 4, 8, 16, 32, 64):
         schedule.walked(1 + offset, 0.0001, 0.0001)
-    assert schedule.wake_step == float("inf")  # the dense walks are done: only decode time wakes it
+    # The dense walks are done: the next by steps is the first beat, 96 steps into the decode.
+    assert schedule.wake_step == 1 + FIRST_BEAT
     schedule.decode_seconds = schedule.wake_decode - 0.01
-    assert not schedule.due(100)
+    assert not schedule.due(90)
     schedule.decode_seconds = schedule.wake_decode
-    assert schedule.due(100)
+    assert schedule.due(90)
+
+
+def test_walks_owed_at_steps_counted_from_the_decode_s_start():
+    """Whatever the decode time: 96, 144, 216, ... steps into the decode, each BEAT_RATIO times
+    the last; a busy batch's changes (a continuing epoch) do not restart them."""
+    schedule = Schedule(0.01, 1e9)  # no walk by decode time
+    schedule.new_epoch(1)
+    walked = []
+    for step in range(1, 3000):
+        if step == 500:
+            schedule.new_epoch(step, continuing=True)
+        if step >= schedule.wake_step and schedule.due(step):
+            walked.append(step)
+            schedule.walked(step, 1e-4, 1e-4)
+            schedule.spent += 1e-4
+    beats = [step - 1 for step in walked if step - 1 >= FIRST_BEAT and step != 501]  # 501: the change
+    assert beats[:8] == [96, 144, 216, 324, 486, 729, 1094, 1641]
+    assert all(b / a == pytest.approx(BEAT_RATIO, abs=0.01) for a, b in zip(beats, beats[1:]))

@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import busy_port, free_port
+from support import busy_port, free_port, mlx_before_0_32
 
 from mlx_watchdog import tiny
 from mlx_watchdog.attach import server as server_hooks
@@ -89,12 +89,16 @@ def metric(samples: dict, name: str, **labels) -> float:
 class Served:
     """A running ``python -m mlx_watchdog.commands.serve`` subprocess on free loopback ports."""
 
-    def __init__(self, model_dir: Path, workdir: Path, watchdog_args: list[str], cli: bool = False):
+    def __init__(
+        self, model_dir: Path, workdir: Path, watchdog_args: list[str], cli: bool = False, sigint: str = ""
+    ):
         self.port, self.metrics_port = free_port(), free_port()
         self.log = workdir / f"serve-{self.port}.log"
         # cli: the user's command, `mlx-watchdog serve` (its module, so no console script is needed)
         entry = ["mlx_watchdog", "serve"] if cli else ["mlx_watchdog.commands.serve"]
         command = self._command(["-m", *entry], model_dir, watchdog_args, ("--prompt-cache-size", "2"))
+        if sigint:  # "SIG_DFL" (a terminal) or "SIG_IGN" (a shell's background job): what it inherits
+            command = [sys.executable, "-c", WITH_SIGINT, sigint, *command]
         self._launch(command, workdir)
         _wait_healthy(self.base + "/health", self.process, self.log)
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -170,11 +174,34 @@ class Served:
 
 SERVER = Served  # what the start_server fixture (tests/conftest.py) starts
 
+# `python -c WITH_SIGINT SIG_IGN|SIG_DFL COMMAND...`: COMMAND with that SIGINT disposition (exec keeps
+# an ignored signal: a shell starts its background jobs so, and Python then leaves SIGINT ignored).
+WITH_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, getattr(signal, sys.argv[1])); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
 
 # --------------------------------------------------------------------------- end to end
 
 PROMPT = "The watchdog counts buffers"
 LONG = 256
+
+
+MLX_031_TEARDOWN = (
+    "mlx 0.31's teardown: the generation thread's compile-cache cleanup takes the GIL in a thread-local "
+    "destructor, which aborts (`terminate called without an active exception`) when the interpreter "
+    "is already finalizing (2 of 5 SIGTERMs after a request here; fixed in mlx 0.32, mlx#3628)"
+)
+
+
+def assert_stops_cleanly(served) -> None:
+    """The server exits with status 0; on mlx 0.31, an abort of its teardown skips (the rest of the
+    test has passed by then)."""
+    code = served.stop()
+    if code != 0 and mlx_before_0_32() and "terminate called without an active exception" in served.output():
+        pytest.skip(MLX_031_TEARDOWN)
+    assert code == 0, served.output()[-3000:]
 
 
 def test_leak_counted_without_fix_and_flat_with_fix(start_server, model_dir):
@@ -193,7 +220,7 @@ def test_leak_counted_without_fix_and_flat_with_fix(start_server, model_dir):
     assert metric(m, "mlx_watchdog_info", fix="false") == 1
     assert metric(m, "mlx_watchdog_stops_total", reason="forecast") == 0
     leaked_resident = metric(m, "mlx_watchdog_resident_buffers")
-    assert plain.stop() == 0, plain.output()[-3000:]
+    assert_stops_cleanly(plain)
 
     fixed = start_server("--fix", *BUDGET)
     flat = fixed.stream(PROMPT, LONG)
@@ -242,7 +269,7 @@ def test_stop_ends_the_requests_and_the_server_goes_on(start_server):
     )
     assert chat.choices[0].finish_reason in ("length", "stop")
     assert "generation thread died" not in served.output()
-    assert served.stop() == 0, served.output()[-3000:]
+    assert_stops_cleanly(served)
 
 
 def test_stop_on_the_unbatched_path(start_server):
@@ -264,14 +291,70 @@ def test_stop_on_the_unbatched_path(start_server):
 
 
 def test_shutdown_after_requests_exits_cleanly(start_server):
-    # Before serve cleared the generation thread's MLX streams, 6 of 15 SIGTERMs after a request
-    # ended in `terminate called without an active exception` (exit 134) at interpreter exit.
-    for attempt, sig in enumerate([signal.SIGTERM, signal.SIGINT] * 2):
-        served = start_server("--no-metrics", *BUDGET)
+    """SIGINT and SIGTERM after a request end the server with status 0 and no abort at exit,
+    whether it inherited SIGINT as from a terminal (default) or as a shell's background job
+    (ignored: `serve ... &` in a script, a CI step started in the background)."""
+    # Before serve handled SIGINT itself, an inherited SIG_IGN kept the server running after SIGINT
+    # (stop() then sent SIGABRT: exit -6). Before it waited for the generation thread's exit, that
+    # thread's MLX thread_locals could take the GIL while the interpreter finalized: `terminate called
+    # without an active exception`, exit -6 (mlx 0.31.2: most runs; docs/internals.md).
+    cases = [(signal.SIGINT, "SIG_IGN"), (signal.SIGTERM, "SIG_DFL"), (signal.SIGINT, "SIG_DFL")]
+    for attempt, (sig, inherited) in enumerate(cases):
+        served = start_server("--no-metrics", *BUDGET, sigint=inherited)
         assert served.stream(PROMPT, 8 + attempt)["finish_reason"] == "length"
         code = served.stop(sig)
         output = served.output()
-        assert code == 0 and "terminate called" not in output, (attempt, sig, code, output[-6000:])
+        clean = "terminate called" not in output and "Fatal Python error" not in output
+        assert code == 0 and clean, (attempt, sig, inherited, code, output[-6000:])
+
+
+# A thread that used MLX's random key (as mlx-lm's generation thread does when it builds the model)
+# ends after join() returns: its C++ thread_local destructor takes the GIL then. If this process
+# is finalizing by then, that thread aborts it (about half the runs without the wait: the main thread
+# keeps the GIL through finalization here). wait_for_thread_exit is what ServerHooks.detach() waits with.
+THREAD_EXIT = """
+import sys, threading
+import mlx.core as mx
+from mlx_watchdog.attach.server import wait_for_thread_exit
+sys.setswitchinterval(30)
+ids = []
+def generate():
+    mx.eval(mx.random.uniform(shape=(4,)))
+    ids.append(threading.get_native_id())
+thread = threading.Thread(target=generate)
+thread.start()
+thread.join()
+assert wait_for_thread_exit(ids, 30)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: threads seen in /proc/self/task")
+def test_exit_waits_for_a_thread_that_used_mlx():
+    for _ in range(5):
+        child = subprocess.run(
+            [sys.executable, "-c", THREAD_EXIT], capture_output=True, text=True, timeout=300
+        )
+        assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
+
+
+def test_wait_for_thread_exit_waits_for_the_thread_itself():
+    release = threading.Event()
+    ids: list[int] = []
+
+    def run():
+        ids.append(threading.get_native_id())
+        release.wait()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    while not ids:
+        time.sleep(0.001)
+    if os.path.isdir("/proc/self/task"):
+        assert not server_hooks.wait_for_thread_exit(ids, 0.05)  # still running
+    release.set()
+    thread.join()
+    assert server_hooks.wait_for_thread_exit(ids, 30)
+    assert not os.path.exists(f"/proc/self/task/{ids[0]}")
 
 
 # --------------------------------------------------------------------------- arguments
@@ -450,6 +533,7 @@ def test_run_in_process_watches_and_restores(model_dir, tmp_path):
     run() returns 0 and mlx_lm.server's functions, sys.argv and the signal handler are back."""
     before = _hooked()
     argv, handler = list(sys.argv), signal.getsignal(signal.SIGTERM)
+    sigint_handler = signal.getsignal(signal.SIGINT)
     port, metrics_port = free_port(), free_port()
     seen: dict = {}
 
@@ -479,6 +563,7 @@ def test_run_in_process_watches_and_restores(model_dir, tmp_path):
     assert seen["prefill_nodes"] > 0  # --adapt-prefill installed the prefill guard on the loaded model
     assert all(_hooked()[k] is before[k] for k in before)
     assert sys.argv == argv and signal.getsignal(signal.SIGTERM) == handler
+    assert signal.getsignal(signal.SIGINT) == sigint_handler
     assert "tiny-qwen3-next" not in [wd.name for wd in live_watchdogs()]
     with socket.socket() as sock:  # nothing listens on the metrics port any more
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT of the scrape is fine
@@ -620,4 +705,4 @@ def test_a_stop_put_on_the_queue_becomes_the_final_chunk():
     channel = server_hooks._Channel(hooks, queue, (queue, None, None))
     channel.put(ResourceLimitForecast(forecast))
     error = queue.get_nowait()
-    assert isinstance(error, RuntimeError) and "resource limit" in str(error)
+    assert isinstance(error, RuntimeError) and str(error) == str(ResourceLimitForecast(forecast))

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import statistics
 import threading
 import time
 import urllib.request
@@ -120,6 +121,7 @@ class OracleServed(Served):
             "rate_known": get("mlx_watchdog_rate_known"),
             "decoding": get("mlx_watchdog_decoding"),
             "steps": get("mlx_watchdog_steps_total"),
+            "read_at": after.get("measured", ""),  # the step of the watchdog's last reading then
         }
 
 
@@ -271,8 +273,12 @@ def test_busy_batch_readings_match_the_true_count(start_server, model_dir):
 # --------------------------------------------------------------------------- a'. a busy fix-mode server
 
 LOAD_SECONDS = 25.0
-SCRAPE_SECONDS = 0.5
-TRUTH_EVERY = 6  # every 6th scrape is bracketed by two exact readings (each waits for a forward)
+SCRAPE_SECONDS = 0.5  # between scrapes (each is bracketed by two exact readings, which wait for a forward)
+# The scrapes begin once the server's first decode is this many steps in. Before, its first forward
+# after the prompt's (+57 buffers in one step) and the next clients' prompts, filled beside it, are
+# read a step or more after they come: on a loaded machine the first scrape (0.5 s) fell on step 2,
+# 103-122 over the slack whatever the schedule.
+WARM_STEPS = 16
 
 
 def _request(served: OracleServed, rng: random.Random, client: int, i: int) -> int:
@@ -296,7 +302,11 @@ def test_a_busy_fix_mode_server_knows_its_rate(start_server):
     while decoding, ``rate_known`` must be 1 on at least 90% of the scrapes (each change of the
     batch once reset what was being measured, and the first fix of each reset cleared the
     readings again: 0 on every scrape after the first minute), and the rate is the fix's, ~0
-    (the exact count does not grow). Every 6th scrape is bracketed by the exact count."""
+    (the exact count does not grow). Every scrape (from the first decode's 16th step on) is
+    bracketed by the exact count, and every one must read the resident count within max(5%, 100)
+    of it: a reading that stopped being
+    refreshed while requests came and went (the fix and every step's own time filled the
+    budget) stayed 167-189 buffers under the count for 900 steps."""
     started = time.monotonic()
     served = start_server("--fix")
     failures: list[str] = []
@@ -317,28 +327,17 @@ def test_a_busy_fix_mode_server_knows_its_rate(start_server):
     threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(CLIENTS)]
     for thread in threads:
         thread.start()
-    rows, truth = [], []
+    rows = []
     first = served.oracle()
+    warm_until = time.monotonic() + STARTUP_SECONDS
+    while first["steps"] < WARM_STEPS and time.monotonic() < warm_until:
+        time.sleep(0.1)
+        first = served.oracle()
     deadline = time.monotonic() + LOAD_SECONDS
     while time.monotonic() < deadline:
         time.sleep(SCRAPE_SECONDS)
-        if len(rows) % TRUTH_EVERY == TRUTH_EVERY - 1:
-            row = served.measure()
-            row["off_by"], row["slack"] = _off_by(row), _slack(row)
-            truth.append(row)
-        else:
-            samples = served.metrics()
-            row = {
-                name: metric(samples, f"mlx_watchdog_{name}", watchdog=WATCHDOG)
-                for name in ("rate_known", "decoding", "steps_total", "buffers_per_step", "resident_buffers")
-            }
-            row = {
-                "rate_known": row["rate_known"],
-                "decoding": row["decoding"],
-                "steps": row["steps_total"],
-                "per_step": row["buffers_per_step"],
-                "resident": row["resident_buffers"],
-            }
+        row = served.measure()
+        row["off_by"], row["slack"] = _off_by(row), _slack(row)
         rows.append(row)
     last = served.oracle()
     done.set()
@@ -346,9 +345,18 @@ def test_a_busy_fix_mode_server_knows_its_rate(start_server):
         thread.join(120)
     busy = [r for r in rows if r["decoding"] == 1]
     known = [r for r in busy if r["rate_known"] == 1]
-    true_per_step = (last["true"] - first["true"]) / max(1, last["steps"] - first["steps"])
+    # The exact count's growth: the slope through every exact reading, not the two ends alone (the
+    # fix, spaced out to 64 steps when the budget is spent, leaves a sawtooth of up to 320 buffers:
+    # over 600 steps of a loaded machine the ends alone read +0.54/step by its phase).
+    points = [(first["steps"], first["true"])] + [(r["steps_after"], r["true_after"]) for r in rows]
+    points.append((last["steps"], last["true"]))
+    if len({x for x, _ in points}) > 1:
+        true_per_step = statistics.linear_regression(*zip(*points)).slope
+    else:
+        true_per_step = math.nan
     columns = [
         "steps",
+        "read_at",
         "decoding",
         "rate_known",
         "per_step",
@@ -356,12 +364,14 @@ def test_a_busy_fix_mode_server_knows_its_rate(start_server):
         "true_before",
         "true_after",
         "off_by",
+        "slack",
+        "where",
     ]
     table = (
         f"{len(served_tokens)} requests, {sum(served_tokens)} tokens in {time.monotonic() - started:.0f} s; "
         f"rate known on {len(known)} of {len(busy)} scrapes while decoding; exact count "
         f"{first['true']} -> {last['true']} over {last['steps'] - first['steps']} steps "
-        f"({true_per_step:+.3f}/step)\n"
+        f"({true_per_step:+.3f}/step through all its readings)\n"
         + _table(rows, columns)
         + "\n--- server log tail:\n"
         + served.output()[-1500:]
@@ -375,10 +385,10 @@ def test_a_busy_fix_mode_server_knows_its_rate(start_server):
     # The fix cuts the chains: the exact count does not grow, and the rate read is the fix's.
     assert true_per_step < 0.5, table
     assert all(r["per_step"] <= 1.0 for r in known), table
-    # Within the 1% budget (the fix charged to it) walks are seconds apart on a loaded machine:
-    # between them a request that joined holds its caches unread (seen: 116 off, at a slack of 100).
-    outside = [r for r in truth if r["off_by"] > r["slack"]]
-    assert len(outside) <= len(truth) // 5 and all(r["off_by"] <= 3 * r["slack"] for r in outside), (
+    # The fix and every step's own time fill the 1% budget, so the routine walks give way; a change
+    # of the caches is still read within the steps that pay for its walk at a quarter of the budget
+    # (schedule.REFRESH_SHARE): no reading stays frozen while requests come and go.
+    assert [r for r in rows if r["off_by"] > r["slack"]] == [], (
         f"resident_buffers outside the true count (+- max({REL_SLACK:.0%}, {ABS_SLACK})):\n{table}"
     )
     assert served.healthy(), table

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
-from support import model_type_params, needs_model_type
+from support import mlx_says_evaluated, model_type_params, needs_model_type
 
 from mlx_watchdog import tiny
 
@@ -40,14 +40,6 @@ def _has_none(value):
 def _greedy(model, prompt, n, **kwargs):
     steps = generate_step(mx.array(prompt), model, max_tokens=n, **kwargs)
     return [token for token, _ in steps]
-
-
-def _is_evaluated(array):
-    try:
-        mx.get_array_buffer_size(array)
-    except ValueError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("model_type", tiny.MODEL_TYPES)
@@ -101,7 +93,7 @@ def test_build_model_is_deterministic():
     a, b, c = params(0), params(0), params(1)
     assert all(mx.array_equal(x, y) for (_, x), (_, y) in zip(a, b))
     assert not all(mx.array_equal(x, y) for (_, x), (_, y) in zip(a, c))
-    assert all(_is_evaluated(p) for _, p in a)
+    assert all(mlx_says_evaluated(p) for _, p in a)
 
 
 def test_build_model_dtype():
@@ -183,7 +175,7 @@ def test_qwen3_next_batch_left_padding_stays_lazy():
         caches = gen._generation_batch.prompt_cache
         arrays = [c for c in caches if isinstance(c, ArraysCache)]
         assert len(caches) == 8 and len(arrays) == 6
-        assert not any(_is_evaluated(c.left_padding) for c in arrays)
+        assert not any(mlx_says_evaluated(c.left_padding) for c in arrays)
     gen.close()
 
 

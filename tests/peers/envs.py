@@ -1,15 +1,19 @@
-"""The peer servers' environment for tests/test_peers.py, built once and reused.
+"""The peer servers' environments for tests/test_peers.py and tests/test_peers_rapid.py, built
+once and reused.
 
-    python tests/peers/envs.py            # build it (or find it), print its Python and the time taken
-    python tests/peers/envs.py --force    # build it again
+    python tests/peers/envs.py                  # build them (or find them), print each Python and the time
+    python tests/peers/envs.py --env rapid-mlx  # only one of them
+    python tests/peers/envs.py --force          # build them again
 
-The environment holds vllm-mlx and mlx-vlm's server from PyPI, exactly as requirements.txt lists
-them (installed with --no-deps: no resolution, the same on every machine; the file says why
-vllm-mlx's own dependency list is not used). It lives outside the clone, under
-``$MLX_WATCHDOG_PEERS_CACHE`` (default ``~/.cache/mlx-watchdog/peers``), in a folder named after a
-stamp of the pins, the Python and the machine: a second run, or another clone, reuses it; a
-changed pin builds a new one. A folder is complete once its ``.complete`` file exists; builders
-take a lock, so two test runs never build the same folder at once.
+Two environments, each from PyPI exactly as its requirements file lists it (installed with
+--no-deps: no resolution, the same on every machine; each file says why the servers' own
+dependency lists are not used): ``servers`` holds vllm-mlx and mlx-vlm's server
+(requirements.txt), ``rapid-mlx`` holds Rapid-MLX (requirements-rapid.txt), which installs a
+module ``vllm_mlx`` of its own and so cannot share vllm-mlx's. Each lives outside the clone, under
+``$MLX_WATCHDOG_PEERS_CACHE`` (default ``~/.cache/mlx-watchdog/peers``), in a folder named after
+the environment and a stamp of its pins, the Python and the machine: a second run, or another
+clone, reuses it; a changed pin builds a new one. A folder is complete once its ``.complete`` file
+exists; builders take a lock, so two test runs never build the same folder at once.
 
 Installs go through uv when it can be had (on PATH, importable, or installed once with pip into
 the cache folder), else through pip. This checkout's mlx-watchdog is not in the environment:
@@ -30,12 +34,35 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CHECKOUT = HERE.parent.parent
-REQUIREMENTS = HERE / "requirements.txt"
-NAME = "servers"  # vllm-mlx and mlx-vlm co-install: one environment for both
+
+
+@dataclass(frozen=True)
+class Environment:
+    """One environment: its folder's name, its pins and the imports that prove it built."""
+
+    name: str
+    requirements: Path
+    imports: str
+
+
+ENVIRONMENTS = {
+    e.name: e
+    for e in (
+        # vllm-mlx and mlx-vlm co-install: one environment for both
+        Environment("servers", HERE / "requirements.txt", "vllm_mlx.server, mlx_vlm.server.app, mlx_lm"),
+        # Rapid-MLX's module is named vllm_mlx too: an environment of its own
+        Environment(
+            "rapid-mlx", HERE / "requirements-rapid.txt", "rapid_mlx.server, vllm_mlx.server, mlx_lm"
+        ),
+    )
+}
+SERVERS = ENVIRONMENTS["servers"]
+REQUIREMENTS = SERVERS.requirements
 CACHE_ENV = "MLX_WATCHDOG_PEERS_CACHE"
 UV_PIN = "uv==0.13.9"
 COMPLETE = ".complete"
@@ -63,8 +90,8 @@ def stamp(requirements: Path = REQUIREMENTS) -> str:
     return hashlib.sha256(key).hexdigest()[:12]
 
 
-def env_dir(root: Path | None = None) -> Path:
-    return (root or cache_root()) / f"{NAME}-{stamp()}"
+def env_dir(root: Path | None = None, environment: Environment = SERVERS) -> Path:
+    return (root or cache_root()) / f"{environment.name}-{stamp(environment.requirements)}"
 
 
 def python_of(env: Path) -> Path:
@@ -115,8 +142,9 @@ def uv(root: Path | None = None) -> list[str] | None:
     return [str(binary)]
 
 
-def build(env: Path, installer: list[str] | None) -> None:
-    """A fresh environment at ``env`` with requirements.txt installed, --no-deps."""
+def build(env: Path, installer: list[str] | None, environment: Environment = SERVERS) -> None:
+    """A fresh environment at ``env`` with ``environment``'s requirements installed, --no-deps."""
+    requirements = environment.requirements
     shutil.rmtree(env, ignore_errors=True)
     if installer is not None:
         _run([*installer, "venv", "-q", "-p", sys.executable, str(env)], "creating the environment (uv venv)")
@@ -130,29 +158,29 @@ def build(env: Path, installer: list[str] | None) -> None:
                 str(python_of(env)),
                 "--no-deps",
                 "-r",
-                str(REQUIREMENTS),
+                str(requirements),
             ],
-            "installing requirements.txt (uv)",
+            f"installing {requirements.name} (uv)",
         )
     else:
         _run([sys.executable, "-m", "venv", str(env)], "creating the environment (venv)")
         _run(
-            [str(python_of(env)), "-m", "pip", "install", "-q", "--no-deps", "-r", str(REQUIREMENTS)],
-            "installing requirements.txt (pip)",
+            [str(python_of(env)), "-m", "pip", "install", "-q", "--no-deps", "-r", str(requirements)],
+            f"installing {requirements.name} (pip)",
         )
     _run(
-        [str(python_of(env)), "-c", "import vllm_mlx.server, mlx_vlm.server.app, mlx_lm"],
-        "importing the servers in the new environment",
+        [str(python_of(env)), "-W", "ignore::DeprecationWarning", "-c", f"import {environment.imports}"],
+        f"importing the servers in the new environment ({environment.name})",
     )
-    (env / COMPLETE).write_text(REQUIREMENTS.read_text())
+    (env / COMPLETE).write_text(requirements.read_text())
 
 
-def ensure(root: Path | None = None, *, force: bool = False) -> Path:
+def ensure(root: Path | None = None, *, force: bool = False, environment: Environment = SERVERS) -> Path:
     """The environment's folder, built first when missing, incomplete or ``force``."""
-    env = env_dir(root)
+    env = env_dir(root, environment)
     with _locked(env.parent / f"{env.name}.lock"):
         if force or not (env / COMPLETE).exists():
-            build(env, uv(root))
+            build(env, uv(root), environment)
     return env
 
 
@@ -181,16 +209,22 @@ def install_checkout(env: Path, target: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, help=f"the cache folder (default ${CACHE_ENV} or ~/.cache/...)")
-    parser.add_argument("--force", action="store_true", help="build the environment again")
+    parser.add_argument("--force", action="store_true", help="build the environments again")
+    parser.add_argument(
+        "--env", action="append", choices=list(ENVIRONMENTS), help="only this environment (default: all)"
+    )
     args = parser.parse_args(argv)
-    started = time.monotonic()
-    try:
-        env = ensure(args.root, force=args.force)
-    except InstallError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    print(f"{python_of(env)}  ({time.monotonic() - started:.1f} s)")
-    return 0
+    failed = 0
+    for name in args.env or list(ENVIRONMENTS):
+        started = time.monotonic()
+        try:
+            env = ensure(args.root, force=args.force, environment=ENVIRONMENTS[name])
+        except InstallError as exc:
+            print(f"{name}: {exc}", file=sys.stderr)
+            failed = 1
+            continue
+        print(f"{name}: {python_of(env)}  ({time.monotonic() - started:.1f} s)")
+    return failed
 
 
 if __name__ == "__main__":

@@ -7,4 +7,8 @@
 * ``prefill.py``: the prefill guard (installed on the model and on its watchdog).
 * ``distributed.py``: ranks that stop together, once ``instrument()`` is called (importing
   ``mlx_watchdog`` patches nothing).
+* ``loaders.py``: ``instrument()``, every model loaded through mlx-lm's or mlx-vlm's loader.
+* ``compiled.py``: ``mx.compile`` wrapped (its ``instrument()``): every compiled function's traces
+  and signatures counted; ``training.py``: every compiled training step observed per step, a stop
+  saving the adapters first; ``imports.py``: the import hook both use.
 """

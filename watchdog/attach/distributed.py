@@ -37,13 +37,12 @@ import logging
 import math
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, cast
 
 import mlx.core as mx
 
-from ..core import coordination
+from ..core import clock, coordination
 from ..core import forecast as fc
 from ..core.actions import ResourceLimitForecast
 from ..core.watchdog import Watchdog, live_watchdogs
@@ -296,7 +295,7 @@ class Coordinator:
 
     def worst(self, step: int, steps_to_limit: float) -> float:
         """The group's steps-to-limit at ``step``; raises ResourceLimitForecast at the agreed stop step."""
-        start = time.perf_counter()
+        start = clock.wall()
         try:
             if self._broken:
                 return steps_to_limit
@@ -324,7 +323,7 @@ class Coordinator:
                 value = math.nextafter(float(local), math.inf)
             return value
         finally:
-            self.seconds += time.perf_counter() - start
+            self.seconds += clock.wall() - start
 
     def forecast(self, step: int | None = None) -> fc.Forecast | None:
         """The worst rank's forecast as agreed, counted down to ``step`` (default: now); fields the
@@ -411,7 +410,7 @@ class Coordinator:
         # Forget what led here: a reading taken before the stop must not stop the next generation.
         self.agreement = None
         self._ignore_until = step
-        self.watchdog.record_stop("forecast")
+        self.watchdog.record_stop("forecast", forecast)
         logger.error(
             "mlx-watchdog: rank %d stops with all %d ranks at step %d (agreed at step %d): "
             "rank %d forecasts %s",

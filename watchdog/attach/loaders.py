@@ -33,7 +33,6 @@ just failed; these watchdogs forget it when they raise (``reset()``) and measure
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import logging
 import sys
 import threading
@@ -42,6 +41,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from pathlib import PurePath
 from typing import Any
+
+from .imports import PostImportHook
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -71,10 +72,14 @@ _current: Instrumentor | None = None
 _watchdog_class: type | None = None
 
 
-def instrument(*, on_watch: OnWatch | None = None, **options: Any) -> Instrumentor:
+def instrument(
+    *, on_watch: OnWatch | None = None, exit_on_training_stop: bool = False, **options: Any
+) -> Instrumentor:
     """Watch every model loaded from now on through ``mlx_lm.utils.load_model`` or
     ``mlx_vlm.utils.load_model`` (and the loaders that call them: ``mlx_lm.load``,
-    ``mlx_vlm.load``, servers built on them), each with a ``Watchdog(**options)`` of its own.
+    ``mlx_vlm.load``, servers built on them), each with a ``Watchdog(**options)`` of its own,
+    and every training step compiled from now on (``training.py``: mlx-lm's trainer, step by step;
+    a stop saves the adapters, then raises, or with ``exit_on_training_stop`` exits the process).
 
     ``on_watch(model, watchdog)`` is called after each model is watched (``model`` is the
     object observed: for mlx-vlm its ``language_model``). Idempotent: while instrumented, a
@@ -86,13 +91,17 @@ def instrument(*, on_watch: OnWatch | None = None, **options: Any) -> Instrument
         raise ValueError(f"on_watch must be callable, got {on_watch!r}")
     with _lock:
         if _current is not None:
-            if checked != _current.options or on_watch is not _current.on_watch:
+            if (
+                checked != _current.options
+                or on_watch is not _current.on_watch
+                or bool(exit_on_training_stop) != _current.exit_on_training_stop
+            ):
                 logger.warning(
                     "mlx-watchdog: already instrumented; the options of this instrument() call "
                     "are ignored (uninstrument() first to change them)"
                 )
             return _current
-        current = Instrumentor(checked, on_watch)
+        current = Instrumentor(checked, on_watch, exit_on_training_stop=exit_on_training_stop)
         current.start()
         _current = current
         return current
@@ -117,12 +126,16 @@ def instrumentor() -> Instrumentor | None:
 class Instrumentor:
     """What :func:`instrument` runs: the wrapped loaders, the import hook and the models watched."""
 
-    def __init__(self, options: dict[str, Any], on_watch: OnWatch | None = None):
+    def __init__(
+        self, options: dict[str, Any], on_watch: OnWatch | None = None, *, exit_on_training_stop: bool = False
+    ):
         self.options = dict(options)
         self.on_watch = on_watch
+        self.exit_on_training_stop = bool(exit_on_training_stop)
+        self._training = False  # whether training.instrument() was ours to undo
         self.errors = 0  # failures after a loader returned: logged, never raised
         self.active = False
-        self._finder = _PostImportFinder(self)
+        self._finder = PostImportHook(TARGETS, self._patch_imported)
         # module name -> (module, original loader, our wrapper)
         self._patched: dict[str, tuple[types.ModuleType, Callable, Callable]] = {}
         # token -> (the model, weakly; its watchdog; what retires it when the model dies)
@@ -135,24 +148,32 @@ class Instrumentor:
     def start(self) -> None:
         with self._lock:
             self.active = True
-            if self._finder not in sys.meta_path:
-                sys.meta_path.insert(0, self._finder)
+            self._finder.install()
             for name in TARGETS:
                 module = sys.modules.get(name)
                 if module is not None:
                     self.patch(module)
+            from . import training
+
+            self._training = training.instrument(
+                watch=self.watch_trained, exit_on_stop=self.exit_on_training_stop, **self.options
+            )
 
     def stop(self) -> None:
         with self._lock:
             self.active = False
-            while self._finder in sys.meta_path:
-                sys.meta_path.remove(self._finder)
+            self._finder.remove()
             patched, self._patched = self._patched, {}
             for module, original, wrapper in patched.values():
                 # Someone who wrapped it after us keeps their wrapper (ours then only passes through).
                 if module.__dict__.get(LOADER) is wrapper:
                     setattr(module, LOADER, original)
             watched, self._watched = self._watched, {}
+            if self._training:
+                from . import training
+
+                training.uninstrument()
+                self._training = False
         from .model import unwatch_model, watched_state
 
         for ref, watchdog, finalizer in watched.values():
@@ -245,69 +266,30 @@ class Instrumentor:
             self.on_watch(model, watchdog)
         return watchdog
 
+    def watch_trained(self, model: Any) -> Any:
+        """The watchdog of a model a training step trains: its own, or a new one (``watch``)."""
+        from .model import watched_state
+
+        watchdog = self.watch(model)
+        if watchdog is None:
+            state = watched_state(model)
+            watchdog = state.watchdog if state is not None else None
+        return watchdog
+
+    def _patch_imported(self, module: types.ModuleType) -> None:
+        """A module of ``TARGETS`` just executed (the import hook): wrap its loader."""
+        try:
+            self.patch(module)
+        except Exception as exc:  # the import succeeded; the program goes on unwatched
+            self.errors += 1
+            logger.warning("mlx-watchdog: cannot wrap %s.%s: %r", module.__name__, LOADER, exc)
+
     def _retire(self, token: int) -> None:
         """The model died: its watchdog leaves the exporters and the instrumentor."""
         with self._lock:
             entry = self._watched.pop(token, None)
         if entry is not None:
             entry[1].export = False
-
-
-# --------------------------------------------------------------------------- the import hook
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """First on ``sys.meta_path``: finds a module of ``TARGETS`` through the finders after it and
-    hands it a loader that patches the module right after it executes."""
-
-    def __init__(self, instrumentor: Instrumentor):
-        self._instrumentor = instrumentor
-        self._finding = threading.local()
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in TARGETS or getattr(self._finding, "active", False):
-            return None
-        self._finding.active = True
-        try:
-            spec = None
-            for finder in list(sys.meta_path):
-                find = getattr(finder, "find_spec", None)
-                if finder is self or find is None:
-                    continue
-                spec = find(fullname, path, target)
-                if spec is not None:
-                    break
-        finally:
-            self._finding.active = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        spec.loader = _PatchAfterExec(spec.loader, self._instrumentor)
-        return spec
-
-
-class _PatchAfterExec(importlib.abc.Loader):
-    """Runs the module's own loader, then the patch. The module keeps its own loader."""
-
-    def __init__(self, loader: Any, instrumentor: Instrumentor):
-        self.loader = loader
-        self._instrumentor = instrumentor
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module):
-        module.__loader__ = self.loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self.loader
-        self.loader.exec_module(module)
-        try:
-            self._instrumentor.patch(module)
-        except Exception as exc:  # the import succeeded; the program goes on unwatched
-            self._instrumentor.errors += 1
-            logger.warning("mlx-watchdog: cannot wrap %s.%s: %r", module.__name__, LOADER, exc)
-
-    def __getattr__(self, name):  # get_source, get_filename, ... of the real loader
-        return getattr(self.loader, name)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..core import clock
 from ..core.actions import ResourceLimitForecast
 from ..core.chunks import (
     FLAT_SPREAD,
@@ -103,12 +103,12 @@ def _measure_fresh(model: Any, tokens: int) -> Measurement:
     """Build one chunk's forward on a fresh cache and measure it; nothing is evaluated."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    start = time.perf_counter()
+    start = clock.wall()
     cache = make_prompt_cache(model)
     output = _unwatched_forward(model)(mx.zeros((1, tokens), dtype=mx.int32), cache)
     measured = measure_chunk(tokens, output, cache)
     # The seconds include building the forward: all of it is the guard's cost.
-    return dataclasses.replace(measured, live=False, seconds=time.perf_counter() - start)
+    return dataclasses.replace(measured, live=False, seconds=clock.wall() - start)
 
 
 class PrefillGuard:
@@ -281,14 +281,14 @@ class PrefillGuard:
 
         Never raises, except :class:`ResourceLimitForecast` when the watchdog has
         ``stop_within`` set and the chunk is predicted over the limit."""
-        start = time.perf_counter()
+        start = clock.wall()
         try:
             verdict = self._check(inputs, output, cache)
         except Exception as exc:
             self._internal_error("prefill guard", exc)
             verdict = None
         finally:
-            self.watchdog.record_overhead(time.perf_counter() - start)
+            self.watchdog.record_overhead(clock.wall() - start)
         if verdict is not None:
             raise verdict
 
@@ -321,7 +321,7 @@ class PrefillGuard:
         room = wd.limit - forecast.resident_buffers
         if predicted <= room:
             return None
-        wd.record_stop("prefill")
+        wd.record_stop("prefill", forecast)
         if safe:
             advice = (
                 f"retry with prefill_step_size={safe} (the largest chunk predicted under "

@@ -16,7 +16,9 @@ and puts the originals back on exit):
   mlx-lm's loop (which has no handler for it and would let the thread die). The wrapper ends every
   started request with a final chunk whose ``finish_reason`` is ``"resource_limit"``, puts the
   requests that had not started back in the queue, drops the stopped batch and its caches, and
-  runs the loop again: later requests are served on a fresh batch.
+  runs the loop again: later requests are served on a fresh batch. When the loop ends, the
+  thread's MLX state is freed (``mx.clear_streams()``) and ``detach`` waits for the thread's exit
+  (see :func:`wait_for_thread_exit`).
 
 The non-batched path (``_serve_single``: seeds, ``--kv-bits``, draft models, images) catches
 exceptions itself and puts them on the response queue; the channel turns a stop found there into
@@ -32,6 +34,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -156,6 +159,7 @@ class ServerHooks:
         self._channels: dict[int, list[_Channel]] = {}  # id(ResponseGenerator) -> its requests
         self._user_prefill_step: dict[int, int] = {}
         self._instrumented = False  # this attach instrumented mx.distributed (detach undoes it)
+        self._ended_threads: list[int] = []  # native ids of generation threads whose loop ended
 
     # ------------------------------------------------------------------ attach / detach
 
@@ -191,8 +195,13 @@ class ServerHooks:
                 distributed.uninstrument()
             watched, self._watched = self._watched, []
             self._channels.clear()
+            ended, self._ended_threads = self._ended_threads, []
         for ref, watchdog in watched:
             self._retire(ref(), watchdog)
+        if ended and not wait_for_thread_exit(ended, THREAD_EXIT_SECONDS):
+            logger.debug(
+                "mlx-watchdog serve: a generation thread had not exited after %s s", THREAD_EXIT_SECONDS
+            )
 
     def __enter__(self) -> ServerHooks:
         return self.attach()
@@ -255,10 +264,10 @@ class ServerHooks:
                         del exc
                         # mlx-lm's loop again: the model is loaded already, the next request gets a new batch.
             finally:
-                # The streams MLX made for this thread outlive it otherwise, and their destruction
-                # at interpreter exit can abort the process (`terminate called without an active
-                # exception`).
+                # Free this thread's MLX state while it holds the GIL (see _clear_thread_streams),
+                # then let detach() wait for the thread's own exit.
                 _clear_thread_streams()
+                hooks._generation_ended(threading.get_native_id())
 
         return _generate
 
@@ -315,6 +324,10 @@ class ServerHooks:
             live = [c for c in self._channels.get(id(generator), ()) if not c.finished and not c.abandoned]
             live.append(channel)
             self._channels[id(generator)] = live
+
+    def _generation_ended(self, native_id: int) -> None:
+        with self._lock:
+            self._ended_threads.append(native_id)
 
     def _idle(self) -> None:
         for watchdog in self.watchdogs():
@@ -387,10 +400,57 @@ def stop_response(response_class: type, last: Any) -> Any:
 
 
 def _clear_thread_streams() -> None:
+    """Free the calling thread's MLX state: its streams and, from mlx 0.32, its random key and
+    compile cache. Their C++ ``thread_local`` destructors take the GIL when the thread exits
+    (after ``Thread.join()`` has returned); freed here, they have nothing left to release.
+
+    mlx 0.31 clears a thread's compile cache only from the cleanup that the thread's first
+    ``mx.compile`` call registers. A thread that ran compiled functions made on another thread
+    (a model module imported by the main thread) has none, and its cache's destructor releases
+    Python objects without the GIL at the thread's exit: "PyThreadState_Get: the function must
+    be called with the GIL held", abort. One ``mx.compile`` call here clears the cache now and
+    registers that cleanup (on mlx 0.32 it only makes a compiled function, dropped at once)."""
+    try:
+        mx.compile(_same)
+    except Exception as exc:
+        logger.debug("mlx-watchdog serve: mx.compile() failed: %r", exc)
     try:
         mx.clear_streams()
     except Exception as exc:  # an MLX without it, or a stream still in use: exit as before
         logger.debug("mlx-watchdog serve: mx.clear_streams() failed: %r", exc)
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+# How long detach() waits for a generation thread to be gone (it exits within milliseconds).
+THREAD_EXIT_SECONDS = 5.0
+_TASKS = "/proc/self/task"  # Linux: one entry per thread of this process, gone when it exits
+
+
+def wait_for_thread_exit(native_ids: list[int], timeout: float) -> bool:
+    """Sleep (the GIL free) until the threads of ``native_ids`` have exited, at most ``timeout``
+    seconds; True when they have, or where this system cannot tell (no ``/proc/self/task``).
+
+    ``Thread.join()`` returns when a thread's Python part is done, before its C++
+    ``thread_local`` destructors run. MLX's Python module has such destructors that take the GIL
+    (mlx 0.31: the thread's random key and its ``mx.compile`` cleanup; 0.32 too while
+    ``mx.clear_streams()`` has not freed them). If the interpreter is finalizing by then, taking
+    the GIL ends the thread with ``pthread_exit``, whose unwinding through the ``noexcept``
+    destructor calls ``std::terminate``: "terminate called without an active exception" and
+    SIGABRT, after a clean shutdown. Waiting here keeps finalization after the thread's exit."""
+    if not os.path.isdir(_TASKS):
+        return True
+    deadline = time.monotonic() + timeout
+    pending = list(native_ids)
+    while True:
+        pending = [tid for tid in pending if os.path.exists(f"{_TASKS}/{tid}")]
+        if not pending:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
 
 
 def _model_label(model_path: Any) -> str:

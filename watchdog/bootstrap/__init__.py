@@ -3,7 +3,9 @@
 ``sitecustomize.py`` (this folder is put first on the program's PYTHONPATH) calls :func:`start`
 with the run's configuration, read from the ``MLX_WATCHDOG_RUN`` variable (JSON: the watchdog
 options, the run's state folder, whether metrics are served). :func:`start` instruments the
-process (``mlx_watchdog.attach.loaders``); at the first model watched it prints one line and
+process (``mlx_watchdog.attach.loaders``: the loaders, and ``mx.compile`` for the training steps,
+whose stop ends the process with ``EXIT_STOPPED`` once the adapters are saved); at the first model
+watched it prints one line and
 starts the process's snapshot writer (``mlx_watchdog.exporters.processes``), which the supervisor
 merges into its /metrics. Importing this module imports the standard library and the
 instrumentor only: MLX and the core come with the program's own import of mlx-lm or mlx-vlm.
@@ -54,7 +56,7 @@ def start(config: dict[str, Any]) -> None:
         if metrics:
             _start_writer(str(state), interval)
 
-    instrument(on_watch=on_watch, **options)
+    instrument(on_watch=on_watch, exit_on_training_stop=True, **options)
 
 
 def _start_writer(state: str, interval: float) -> None:

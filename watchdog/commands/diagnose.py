@@ -146,6 +146,19 @@ def run(args: argparse.Namespace) -> int:
         from . import plot
 
         plot.require()  # before minutes of decoding, not after
+    from ..attach import compiled
+
+    # The model's compiled functions are counted from its import on: a function that keeps a
+    # cache entry per prompt length is a leak site too (compiled:<function>).
+    counting = compiled.instrument()
+    try:
+        return _diagnose(args, console, progress_console)
+    finally:
+        if counting:
+            compiled.uninstrument()
+
+
+def _diagnose(args: argparse.Namespace, console, progress_console) -> int:
     model, tokenizer, info = load_model(args.model)
     prompts = encode_prompts(tokenizer, args.prompt)
     paths = selected_paths(args)
@@ -247,6 +260,7 @@ def _leaks(forecast) -> list[dict]:
             "paths": list(leak.paths),
             "cut_by_fix": leak.cut,
             "source": leak.source,
+            "signatures": leak.signatures,
         }
         for leak in forecast.leaks
     ]
@@ -409,6 +423,10 @@ def render_report(report: dict, console) -> None:
             for leak in r["leaks"]:
                 if leak.get("source"):
                     console.print(f"  {leak['site']} is rebound at {leak['source']}")
+                if leak.get("signatures") is not None:
+                    from ..core.compiled import ADVICE
+
+                    console.print(f"  {leak['site']} keeps {leak['signatures']} input signatures: {ADVICE}")
             console.print(
                 f"  at the limit of {report['limit']:,} buffers a generation like this "
                 f"one crashes after {format_count(r['limit_step'])} tokens per sequence "

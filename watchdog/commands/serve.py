@@ -175,21 +175,28 @@ def run(args: argparse.Namespace, server_argv: Sequence[str]) -> int:
 
 
 def _terminate_as_interrupt() -> Callable[[], None]:
-    """Make SIGTERM stop the server like Ctrl-C does (mlx-lm shuts down on KeyboardInterrupt).
-    Returns the function that puts the previous handler back."""
+    """Make SIGTERM and SIGINT stop the server like Ctrl-C does (mlx-lm shuts down on
+    KeyboardInterrupt), whatever this process inherited: a shell starts a background job
+    (``mlx-watchdog serve ... &`` in a script, a CI step) with SIGINT ignored, and Python then
+    leaves it ignored, so ``kill -INT`` did nothing. Returns the function that puts the previous
+    handlers back."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except (ValueError, OSError):
-        return lambda: None
+    previous: dict[int, Any] = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[signum] = signal.signal(signum, interrupt)
+        except (ValueError, OSError):
+            pass
 
     def restore() -> None:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            if handler is not None:  # None: a handler set outside Python, which cannot be put back
+                signal.signal(signum, handler)
 
     return restore
 

@@ -19,6 +19,9 @@ never the reverse.
   (stop, warn).
 * Other processes: ``coordination.py`` (the one hook for them, a coordinator that an attachment
   installs, and the rank and world size the launcher's variables give).
+* ``clock.py``: every clock the watchdog reads (wall and CPU time), read from there alone.
+* ``compiled.py``: the compiled functions of the process (``mx.compile``'s cache entries, one per
+  input signature), a site ``compiled:<function>`` of every watchdog's reading.
 * ``limits.py`` (the device's buffer limit, an exact counter where MLX has one),
   ``options.py`` (the bounds of every option), ``chunks.py`` (a prefill chunk's buffers as a
   line over its length, and the largest chunk under a budget).

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import time
 from typing import Any
 
+from . import clock
 from . import forecast as fc
+from .limits import limit_phrase
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -28,10 +30,18 @@ class ResourceLimitForecast(RuntimeError):
         self.forecast = forecast
         self.reason = reason
         super().__init__(
-            f"mlx-watchdog stopped the generation ({reason}): the Metal resource limit of "
-            f"{forecast.limit} buffers is forecast within {forecast.steps_to_limit:.0f} steps. "
-            f"{forecast.describe()}"
+            f"mlx-watchdog stopped the generation ({reason}): {limit_phrase(forecast.limit)} is "
+            f"forecast within {forecast.steps_to_limit:.0f} steps. {forecast.describe()}"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """A stop of the generation: why, when, and the forecast that caused it."""
+
+    reason: str  # "forecast", "prefill"
+    forecast: fc.Forecast
+    time: float  # seconds since the epoch (time.time())
 
 
 class Warnings:
@@ -47,7 +57,7 @@ class Warnings:
             logger.warning(message, *args)
 
     def due(self) -> bool:
-        now = time.monotonic()
+        now = clock.wall()
         if now - self._last >= WARN_INTERVAL_SECONDS:
             self._last = now
             return True

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from . import clock
 from .arrays import find_arrays
 from .graph import graph_size
 
@@ -108,6 +108,6 @@ def measure_chunk(tokens: int, output: Any, cache: Any = None) -> Measurement:
     arrays = [a for _, a in find_arrays((output, cache))]
     if not arrays:
         raise ValueError("the chunk's output and cache hold no mx.array to measure")
-    start = time.perf_counter()
+    start = clock.wall()
     nodes, buffers = graph_size(arrays)
-    return Measurement(int(tokens), nodes, buffers, time.perf_counter() - start)
+    return Measurement(int(tokens), nodes, buffers, clock.wall() - start)

@@ -110,6 +110,7 @@ class Fixer:
         self.walks_unprobed = 0  # walks since the last probe
         self.probe: Probe | None = None
         self.last_step = 0
+        self.series_start = 0  # the step the series began at (reset): its chains grow from there
         self.fixed_once = False
         self.backlog = False  # a fix of long chains is under way, a share a step
         self._backlog_take = 1  # arrays a share (about FIX_NODES nodes, as the walk saw them)
@@ -130,6 +131,7 @@ class Fixer:
         # another growth (the chains still growing) and are cleared then, so the fix comes before
         # the walks that measure its rate (at 16 and 32 steps, schedule.py), not between them.
         self.last_step = step - self.every
+        self.series_start = step
         self.fixed_once = False
         self.series_probes = self.walks_unprobed = 0
 

@@ -25,9 +25,12 @@ class Leak:
     # Where the program rebinds the attribute, found once by a short probe (attribution.py):
     # "mlx_lm/models/cache.py:685 ArraysCache.advance"; None until found (or not findable).
     source: str | None = None
-    # The program itself cuts this site's chains now and then (a sawtooth), and its peaks grow:
-    # buffers_per_step is the growth of the peaks, not of a chain between two cuts.
+    # The program itself cuts some of this site's chains now and then (a sawtooth), and the rest
+    # grows: buffers_per_step is the growth of what it never cuts, not of a chain between two cuts.
     sawtooth: bool = False
+    # A compiled function's site ("compiled:module.function", compiled.py): the input signatures
+    # its cache keeps (an entry each); None for any other site.
+    signatures: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +102,7 @@ class Forecast:
             f"{leak.site} +{leak.buffers_per_step:.3g}/step"
             + (" (cut by the fix)" if leak.cut else "")
             + (" (its peaks; the program cuts it now and then)" if leak.sawtooth else "")
+            + (f" ({leak.signatures} input signatures compiled)" if leak.signatures is not None else "")
             + (f" [{leak.source}]" if leak.source else "")
             for leak in self.leaks[:3]
         ]

@@ -25,10 +25,11 @@ import dataclasses
 import queue
 import re
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import mlx.core as mx
+
+from . import clock, descriptor
 
 # One array line of ours ends `"n3"; }` (an edge reads `"n3" -> 12`): found by its literal start,
 # which the regex engine searches for fast, where a pattern anchored at each line start tried
@@ -98,13 +99,13 @@ class _DeepWalker:
     def _run(self) -> None:
         while True:
             job, box = self._jobs.get()
-            started = time.thread_time()
+            started = clock.cpu()
             try:
                 box.append((True, job()))
             except BaseException as exc:  # handed back to the caller, which raises it
                 box.append((False, exc))
             finally:
-                self.cpu_seconds += time.thread_time() - started  # before the caller wakes
+                self.cpu_seconds += clock.cpu() - started  # before the caller wakes
                 box[0].set()
                 # The job holds the arrays it walked: kept in this frame until the next walk, they
                 # would keep their buffers alive after the program dropped them.
@@ -132,7 +133,7 @@ def cpu_clock() -> float:
     walks would shrink to samples that misread a batch that just changed. CPU time is what the
     graph costs to walk."""
     walker = _walker
-    return time.thread_time() + (walker.cpu_seconds if walker is not None else 0.0)
+    return clock.cpu() + (walker.cpu_seconds if walker is not None else 0.0)
 
 
 def deep_walker() -> _DeepWalker:
@@ -170,14 +171,78 @@ def export_dot(arrays: Sequence[mx.array], *, nodes_hint: int | None = None) -> 
 
 
 def is_evaluated(array: mx.array) -> bool:
-    """True when the array holds a buffer (evaluated, or scheduled by ``async_eval``).
+    """True when the array holds a buffer (evaluated, or scheduled by ``async_eval``), in O(1),
+    unlike a graph walk (see ``evaluated_check``)."""
+    tell = _tell if _tell is not None else _choose_check(None)
+    return tell(array)
 
-    ``get_array_buffer_size`` refuses unevaluated arrays in O(1), unlike a graph walk."""
+
+def _buffer_size_tells(array: mx.array) -> bool:
     try:
-        mx.get_array_buffer_size(array)
+        mx.get_array_buffer_size(array)  # refuses an unevaluated array
         return True
     except ValueError:
         return False
+
+
+def _export_tells(array: mx.array) -> bool:
+    """The slow way, where nothing else can tell: the array's whole graph exported."""
+    try:
+        return '{ rank=source; "n0"; }' in export_dot([array])
+    except TooDeep:  # only a pending array has a graph
+        return False
+
+
+def _descriptor_tells() -> Callable[[mx.array], bool] | None:
+    read = descriptor.reader()
+    if read is None:
+        return None
+
+    def tell(array: mx.array) -> bool:
+        evaluated = read(array)
+        return _export_tells(array) if evaluated is None else evaluated
+
+    return tell
+
+
+EVALUATED_CHECKS = ("buffer size", "descriptor", "export")
+_tell: Callable[[mx.array], bool] | None = None
+_check = ""
+
+
+def evaluated_check() -> str:
+    """How ``is_evaluated`` tells arrays here: ``"buffer size"`` (``mx.get_array_buffer_size``,
+    mlx 0.32.4 and later), ``"descriptor"`` (the status field of the array's C++ descriptor, read
+    from memory: earlier MLX, see ``descriptor``) or ``"export"`` (an export of the array's graph,
+    where neither can: as right, and as slow as a walk)."""
+    if _tell is None:
+        _choose_check(None)
+    return _check
+
+
+def use_evaluated_check(name: str | None) -> str:
+    """Tell arrays one of ``EVALUATED_CHECKS`` ways from now on (tests, benchmarks); None: the
+    first that works here. Returns the one in use; ValueError where it does not work here."""
+    _choose_check(name)
+    return _check
+
+
+def _choose_check(name: str | None) -> Callable[[mx.array], bool]:
+    global _tell, _check
+    if name not in (None, *EVALUATED_CHECKS):
+        raise ValueError(f"no evaluated check {name!r}: one of {EVALUATED_CHECKS}")
+    tell: Callable[[mx.array], bool] | None = None
+    for check in EVALUATED_CHECKS if name is None else (name,):
+        if check == "buffer size":
+            tell = _buffer_size_tells if hasattr(mx, "get_array_buffer_size") else None
+        elif check == "descriptor":
+            tell = _descriptor_tells()
+        else:
+            tell = _export_tells
+        if tell is not None:
+            _tell, _check = tell, check
+            return tell
+    raise ValueError(f"the evaluated check {name!r} does not work with this MLX")
 
 
 def account(arrays: Sequence[mx.array], *, nodes_hint: int | None = None) -> GraphReading:

@@ -6,10 +6,16 @@ epoch only (``forecast.epoch_slope``). Each site (``Class.attribute``) has its o
 mode, short probes (the fix waits 1-3 steps) measure what the fix cuts at each site.
 
 A leak is long-run growth. A program that evaluates its cache state every N steps (mlx-vlm's
-``BatchGenerator`` every 50) leaves chains that grow and are cut, over and over: a sawtooth. A site
-is read as one once a reading of an epoch sees its retained buffers drop (``Teeth``): from then on
-it grows as its peaks grow, and peaks that do not grow make it *bounded*, no leak. Until a cut is
-seen, a growing chain is a leak, read as fast as any other.
+``BatchGenerator`` every 50) leaves chains that grow and are cut, over and over: a sawtooth. Each
+array is followed from reading to reading by its path in its cache (a *chain*); once a reading sees
+what one retains fall, the program cuts it, and what it retains is bounded: that part is taken out
+of every reading before the slope is fitted, at every phase alike. So the rate is the growth of
+what is never cut, exact whatever phase of the sawtooth each reading falls on (readings far apart
+fall at random phases: a peak read at one is no line), and a site with cut chains whose remainder
+does not grow is *bounded*, no leak; one whose remainder grows is a leak, named. Until a cut is
+seen, a growing chain is a leak, read as fast as any other. The schedule walks at steps counted
+from the decode's start (``schedule.BEAT_RATIO``), so a sawtooth of period P is seen cut within
+1.5 P steps on any machine.
 
 A server's kept caches (``caches.py``) grow across epochs, not within one: a request's caches join
 the kept ones when it ends, one more per request, each no longer growing. Their buffers and their
@@ -21,7 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import forecast as fc
 from .caches import kept_site
@@ -32,19 +38,21 @@ if TYPE_CHECKING:
 SAMPLE_WINDOW = 64  # readings kept for the growth-rate fit
 PROBE_WINDOW = 16  # fix-mode probes kept per site
 LEAK_THRESHOLD = 1e-3  # buffers/step below which a site is not reported as leaking
-# A site's retained buffers falling by CUT_BUFFERS or more between two readings of one epoch, its
-# arrays as many or more: the program cut its chains. A leak's chains only grow. A reading that
-# samples them reads high, not low, by a buffer an array that several share (sampling.py): after
-# one, a cut must be more than CUT_PER_ARRAY a pending array. A cut of part of a site's chains
-# (the program evaluates some of its caches) may be a small share of a long leak.
+# What a chain retains falling by CUT_BUFFERS or more, and by half or more, between two readings
+# that walked it: the program cut it (it starts again from nothing). A leak's chains only grow; a
+# buffer that several share may be counted with one or another from one walk to the next, a small
+# wobble. (A chain a reading does not walk is an estimate from its site's gain: no cut is read.)
 CUT_BUFFERS = 2.0
-CUT_PER_ARRAY = 2.0
-TEETH_KEPT = 16  # the last cuts' peaks and troughs kept per site
-# A tooth this many times longer than any seen, over OVERDUE_READINGS readings at least (far
-# apart, they see a cut at random phases: 8 rising in a row is a chance of 1 in 40,320): the
-# program no longer cuts the site.
+CUT_SHARE = 0.25
+# At a site whose chains the program cuts, a chain not seen cut yet (a request's cache that joined
+# a busy batch) is presumed cut like the others until it has gone YOUNG times the longest tooth
+# seen there without a cut, or retains YOUNG times the highest peak seen there: then it grows for
+# good, a leak beside a sawtooth at one site.
+YOUNG = 2
+# A tooth this many times longer than any seen and a chain this many times its peak, over
+# OVERDUE_READINGS readings at least: the program no longer cuts it.
 OVERDUE = 4
-OVERDUE_READINGS = 8
+OVERDUE_READINGS = 4
 
 
 @dataclasses.dataclass(slots=True)
@@ -55,74 +63,63 @@ class SiteTally:
     retained: float = 0.0  # buffers the graphs of its pending arrays keep alive
     paths: list[str] = dataclasses.field(default_factory=list)  # some of those pending arrays
     arrays: int = 0
+    # Each array walked: (its key, the cache's weak reference or None, retained, walked now):
+    # followed to the next reading by its key, while its cache is the same object.
+    chains: list[tuple[tuple, Any, float, bool]] = dataclasses.field(default_factory=list)
 
 
-class Teeth:
-    """One site's sawtooth: the highest reading before each cut seen (a peak: the true one lies
-    between it and the reading after the cut) and the reading after it (a trough). Readings far
-    apart see a cut now and then, at random phases; readings every step see every peak.
+@dataclasses.dataclass(slots=True)
+class Chain:
+    """One array of a site across readings (its path in its cache). A fall of what it retains
+    between two readings is a cut by the program: from then on, what it retains is bounded (it
+    comes back to its peak, no higher), until a tooth goes on ``OVERDUE`` times longer than any
+    seen, to ``OVERDUE`` times its peak: the program no longer cuts it."""
 
-    Caches that join or leave a busy batch move the site's level (a new epoch): the program goes
-    on cutting the caches that stay, so the site stays a sawtooth, but peaks of two epochs are no
-    line. A tooth that goes on ``OVERDUE`` times longer than any seen ends it: the program no
-    longer cuts this site, and what grows then is a leak."""
+    ref: Any  # the cache's weak reference (None: not followed; the key alone names it)
+    retained: float  # at the last reading
+    step: int  # of the last reading
+    start: int  # of the first reading, then of the last cut seen
+    top: float = 0.0  # the most it retained since the last cut seen
+    peak: float = 0.0  # the most it retained before a cut
+    cuts: int = 0
+    longest: int = 1  # steps between two cuts seen, at most
+    readings: int = 0  # since the last cut seen
+    walked: bool = False  # its last reading walked it (else that reading is an estimate)
+    survived: bool = False  # walked before and after a cut of others of its site, and not cut
+    history: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> retained
 
-    def __init__(self, epoch: int, start: int) -> None:
-        self.epoch = epoch
-        self.cuts = 0
-        # (step, buffers, epoch)
-        self.peaks: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=TEETH_KEPT)
-        self.troughs: collections.deque[tuple[int, float, int]] = collections.deque(maxlen=TEETH_KEPT)
-        self.top: tuple[int, float] | None = None  # the highest reading since the last cut
-        self.growth = 0.0  # of the peaks, per step; 0 until it stands out of the sawtooth
-        self.tooth_start = start  # the step of the last cut seen (or the epoch's first reading)
-        self.longest = 1  # steps between two cuts seen, at most
-        self.readings = 0  # since the last cut
-
-    def new_epoch(self, epoch: int, step: int, buffers: float) -> None:
-        self.epoch, self.top, self.growth = epoch, (step, buffers), 0.0
-
-    def overdue(self, step: int) -> bool:
-        return self.readings >= OVERDUE_READINGS and step - self.tooth_start > OVERDUE * self.longest
-
-    def read(self, step: int, buffers: float, cut: bool) -> None:
-        if cut and self.top is not None:
+    def read(self, step: int, retained: float, walked: bool) -> bool:
+        """One reading; True when it sees a cut."""
+        fall = self.retained - retained
+        cut = walked and self.walked and fall >= CUT_BUFFERS and fall >= CUT_SHARE * self.retained
+        if cut:
             self.cuts += 1
-            self.peaks.append((*self.top, self.epoch))
-            self.troughs.append((step, buffers, self.epoch))
-            self.longest = max(self.longest, step - self.tooth_start)
-            self.tooth_start, self.top, self.readings = step, None, 0
+            self.peak = max(self.peak, self.top)
+            self.longest = max(self.longest, step - self.start)
+            self.start, self.top, self.readings, self.survived = step, 0.0, 0, False
+        elif self.cuts and self.overdue(step, retained):
+            self.cuts, self.peak = 0, 0.0  # a leak again: its readings count from here on
+        self.retained, self.step, self.walked = retained, step, walked
+        self.top = max(self.top, retained)
         self.readings += 1
-        if self.top is None or buffers >= self.top[1]:
-            self.top = (step, buffers)
-        self.growth = self._growth()
+        if retained:  # (none: what it retained at a step not in it)
+            self.history[step] = retained
+        return cut
+
+    def overdue(self, step: int, retained: float) -> bool:
+        # Steps since the last cut *seen* alone are no evidence: readings at the phase of the cuts
+        # miss them. What the chain retains grows with its age: past OVERDUE times its peak, no
+        # cut came.
+        return (
+            self.readings >= OVERDUE_READINGS
+            and step - self.start > OVERDUE * self.longest
+            and retained > OVERDUE * max(self.peak, CUT_BUFFERS)
+        )
 
     @property
-    def peak(self) -> float:
-        """The most the site was read to hold (its peak, as far as the readings saw it; a peak of
-        an epoch before counts too, until TEETH_KEPT cuts later)."""
-        return max([b for _, b, _ in self.peaks] + ([self.top[1]] if self.top else []))
-
-    def _growth(self) -> float:
-        """The peaks' slope (Theil-Sen) in this epoch, once it stands out of the sawtooth: the line
-        must rise over the peaks' span by more than the peaks and troughs spread about it. A peak
-        read at a random phase is noise of up to the sawtooth's height; a chain cut once that then
-        grows for good rises past every peak (the highest reading since the last cut joins the
-        peaks when it is their highest)."""
-        peaks = [(at, b) for at, b, epoch in self.peaks if epoch == self.epoch]
-        if not peaks:
-            return 0.0
-        if self.top is not None and self.top[1] > max(b for _, b in peaks):
-            peaks.append(self.top)
-        if len(peaks) < 2:
-            return 0.0
-        rate = fc.robust_slope(peaks)
-        if rate <= LEAK_THRESHOLD:
-            return 0.0
-        troughs = [(at, b) for at, b, epoch in self.troughs if epoch == self.epoch]
-        residuals = [b - rate * at for at, b in peaks + troughs]
-        spread = max(residuals) - min(residuals)
-        return rate if rate * (peaks[-1][0] - peaks[0][0]) > spread else 0.0
+    def excess(self) -> float:
+        """What it will retain again at its peak, beyond what it retains now."""
+        return max(0.0, max(self.peak, self.top) - self.retained)
 
 
 class SiteSeries:
@@ -141,35 +138,66 @@ class SiteSeries:
         self.paths: tuple[str, ...] = ()
         self.buffers = 0.0
         self.retained = 0.0
-        self.epoch: int | None = None  # of the last reading (probes aside)
-        self.epoch_start = 0  # the step of its first reading in that epoch
-        self.sampled = False  # its last reading walked a sample of the graphs
-        self.last_step = 0
-        self.teeth: Teeth | None = None  # once the program was seen to cut it (until it stops)
+        self.chains: dict[tuple, Chain] = {}  # by key: the site's arrays, followed across readings
+        self.longest = 0  # steps between two cuts seen at the site, at most (0: no cut seen)
+        self.peak = 0.0  # the most a chain of the site retained before a cut
 
-    def read_cuts(self, step: int, buffers: float, tally: SiteTally, epoch: int, sampled: bool) -> None:
-        """One reading (not fixing): a cut when the retained buffers fell since the last reading
-        of this epoch. Another epoch (caches joined or died) is a jump, no cut."""
-        teeth, retained = self.teeth, tally.retained
-        fewer = bool(self.arrays) and tally.arrays < self.arrays[-1][1]  # removed, not cut
-        sampling = sampled or self.sampled
-        drop = max(CUT_BUFFERS, CUT_PER_ARRAY * tally.arrays) if sampling else CUT_BUFFERS
-        self.sampled = sampled
-        if epoch != self.epoch:
-            self.epoch_start = step
-            if teeth is not None:
-                teeth.new_epoch(epoch, step, buffers)
-        elif self.retained - retained >= drop and not fewer:
-            if teeth is None:
-                teeth = self.teeth = Teeth(epoch, self.epoch_start)
-                teeth.read(self.last_step, self.buffers, cut=False)  # the reading before it
-            teeth.read(step, buffers, cut=True)
-        elif teeth is not None:
-            if teeth.overdue(step):
-                self.teeth = None  # read from its readings again, as any site
-            else:
-                teeth.read(step, buffers, cut=False)
-        self.epoch, self.last_step = epoch, step
+    def read_chains(self, step: int, tally: SiteTally, since: int) -> None:
+        """One reading (not fixing): each array's chain, a cut where what it retains fell.
+        ``since``: the oldest step the growth window still holds (older history is dropped)."""
+        chains = self.chains
+        uncut: list[Chain] = []  # read before, and grown since
+        cut = False
+        for key, ref, retained, walked in tally.chains:
+            chain = chains.get(key)
+            if chain is None or chain.ref is not ref:  # a new array, or another cache at that id
+                if not retained:  # an evaluated array (most of them): no chain to follow yet
+                    chains.pop(key, None)
+                    continue
+                chains[key] = chain = Chain(ref, retained, step, step)
+                chain.read(step, retained, walked)
+                continue
+            before = chain.retained
+            if chain.read(step, retained, walked):
+                cut = True
+                self.longest = max(self.longest, chain.longest)
+                self.peak = max(self.peak, chain.peak)
+            elif walked and retained > before:
+                uncut.append(chain)
+        if cut:  # the program cut some of the site's chains while these grew: it does not cut them
+            for chain in uncut:
+                chain.survived = True
+        for key in [key for key, chain in chains.items() if chain.step < since]:
+            del chains[key]  # gone before the window: no reading of it is fitted any more
+        for chain in chains.values():
+            history = chain.history  # in the order of the steps
+            while history and (oldest := next(iter(history))) < since:
+                del history[oldest]
+
+    def forget_chains(self) -> None:
+        """The fix cuts the chains now: a cut is no longer the program's."""
+        self.chains.clear()
+        self.longest, self.peak = 0, 0.0
+
+    def cut_chains(self) -> list[Chain]:
+        """The chains the program cuts, and those too young to tell at a site where it cuts some."""
+        if not self.longest:
+            return []
+        young, high = YOUNG * self.longest, YOUNG * self.peak
+        return [
+            chain
+            for chain in self.chains.values()
+            if chain.cuts
+            or (not chain.survived and chain.step - chain.start <= young and chain.retained <= high)
+        ]
+
+    def bounded_at(self, step: int, cut: list[Chain]) -> float:
+        """What the chains the program cuts retained at the reading of ``step``."""
+        return sum(chain.history.get(step, 0.0) for chain in cut)
+
+    def remainder(self, cut: list[Chain]) -> list[tuple[int, float, int]]:
+        """The site's readings less what its cut chains retained then: its long-run growth."""
+        return [(at, round(b - self.bounded_at(at, cut), 6), e) for at, b, e in self.total]
 
     def probed_rate(self) -> float | None:
         """What the fix cuts at this site per step, from the probes; None before the first probe.
@@ -245,14 +273,12 @@ class Growth:
         sample: float | None,
         probe: Probe | None,
         fixing: bool = False,
-        sampled: bool = False,
         kept: float | None = None,
         kept_since: int | None = None,
     ) -> None:
         """One reading. ``sample``: the buffers to fit the rate on (None: no sample, e.g. an empty
         cache). ``probe``: the fix-mode probe this reading ends (its growth per site). ``fixing``:
-        the fix cuts chains now, so a cut is no longer the program's. ``sampled``: the reading
-        walked a sample of the graphs. ``kept``: the buffers of kept caches (None: no sample);
+        the fix cuts chains now, so a cut is no longer the program's. ``kept``: the buffers of kept caches (None: no sample);
         ``kept_since``: the last forward of the newest of them."""
         for site, tally in sites.items():
             if probe is None and kept is not None and kept_site(site):
@@ -270,9 +296,10 @@ class Growth:
             else:
                 series.total.append((step, buffers, epoch))
                 if fixing:
-                    series.teeth = None
-                else:
-                    series.read_cuts(step, buffers, tally, epoch, sampled)
+                    series.forget_chains()
+                elif not kept_site(site):  # kept caches no longer step: no chain of theirs grows
+                    since = min(series.total[0][0], self.samples[0][0] if self.samples else step)
+                    series.read_chains(step, tally, since)
             series.arrays.append((step, tally.arrays, epoch))
             series.buffers, series.retained = buffers, tally.retained
             if tally.paths:
@@ -296,17 +323,16 @@ class Growth:
         self.rate = max(self.live_rate, self.kept.slope())
 
     def _long_run_rate(self) -> float | None:
-        """The slope of the samples, with each site the program cuts counted by its peaks' growth
-        instead of its readings (a sawtooth read at random phases is no line)."""
-        cut = [series for series in self.sites.values() if series.teeth is not None]
+        """The slope of the samples, less what the chains the program cuts retained at each: a
+        sawtooth read at random phases is no line, what is never cut is."""
+        cut = [(series, chains) for series in self.sites.values() if (chains := series.cut_chains())]
         if not cut:
             return fc.epoch_slope(self.samples)
-        held = [{at: b for at, b, _ in series.total} for series in cut]
-        rest = [(at, round(y - sum(h.get(at, 0.0) for h in held), 6), e) for at, y, e in self.samples]
-        rate = fc.epoch_slope(rest)
-        if rate is None:
-            return None
-        return rate + sum(series.teeth.growth for series in cut if series.teeth is not None)
+        rest = [
+            (at, round(y - sum(series.bounded_at(at, chains) for series, chains in cut), 6), e)
+            for at, y, e in self.samples
+        ]
+        return fc.epoch_slope(rest)
 
     def site_buffers(self) -> dict[str, float]:
         return {site: s.buffers for site, s in self.sites.items()}
@@ -338,20 +364,21 @@ class Growth:
                 probed.append(site_probed)
                 if grows:
                     growing.add(site)
-            teeth = series.teeth
-            if teeth is not None and not fixing:
-                # The program cuts it: its peaks say whether it grows; either way the limit is
-                # counted from its peak.
-                excess += max(0.0, teeth.peak - series.buffers)
-                if teeth.growth > LEAK_THRESHOLD:
+            chains = series.cut_chains() if not fixing else []
+            if chains:
+                # The program cuts some of its chains: what they retain comes back to their peaks,
+                # no higher; the rest of the site says whether it grows.
+                excess += sum(chain.excess for chain in chains)
+                site_rate = fc.epoch_slope(series.remainder(chains)) or 0.0
+                if site_rate > LEAK_THRESHOLD:
                     leaks.append(
-                        fc.Leak(site, series.paths, teeth.growth, int(round(series.buffers)), sawtooth=True)
+                        fc.Leak(site, series.paths, site_rate, int(round(series.buffers)), sawtooth=True)
                     )
                 else:
+                    peak = series.buffers + sum(chain.excess for chain in chains)
+                    cuts = max(chain.cuts for chain in chains)
                     bounded.append(
-                        fc.Bounded(
-                            site, series.paths, int(round(teeth.peak)), int(round(series.buffers)), teeth.cuts
-                        )
+                        fc.Bounded(site, series.paths, int(round(peak)), int(round(series.buffers)), cuts)
                     )
                 continue
             if fixing and site_probed is not None:

@@ -84,6 +84,32 @@ def device_resource_limit() -> int | None:
     return int(value) if isinstance(value, numbers.Integral) and value > 0 else None
 
 
+def backend() -> str:
+    """The backend whose allocator holds MLX's buffers: ``"metal"``, ``"cuda"`` or ``"cpu"``
+    (Metal's allocator holds every array, a CPU stream's too). Only Metal has a buffer-count
+    limit; elsewhere the limit is the watchdog's own (configured, or the default)."""
+    for name in ("metal", "cuda"):
+        module = getattr(mx, name, None)
+        try:
+            if module is not None and module.is_available():
+                return name
+        except Exception:
+            continue
+    return "cpu"
+
+
+def limit_phrase(limit: int, on: str | None = None) -> str:
+    """The limit as messages name it, for the backend ``on`` (default: this process's): Metal's
+    resource limit only where it is the one counted against; elsewhere the configured one."""
+    on = backend() if on is None else on
+    if on == "metal":
+        device = device_resource_limit()
+        if device is None or device == limit:
+            return f"the Metal resource limit of {limit} buffers"
+        return f"the buffer limit (configured {limit}; Metal's resource limit is {device})"
+    return f"the buffer limit (configured {limit}; MLX's {on} backend has no buffer-count limit)"
+
+
 def device_name() -> str:
     try:
         info = mx.device_info()

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from . import forecast, graph
+from . import clock, forecast, graph
 from .arrays import Found
 from .graph import TooDeep, account, deep_walker, is_evaluated
 from .objects import array_shape
@@ -203,7 +202,7 @@ class Sampler:
     ) -> Reading:
         """``root_keys[f.root]`` names each root while it lives (an array's path is relative to it);
         ``keys``, where given, name each array across readings instead (one per array found)."""
-        started, cpu_started = time.perf_counter(), graph.cpu_clock()
+        started, cpu_started = clock.wall(), graph.cpu_clock()
         self._root_keys = list(root_keys)
         self._keys = {} if keys is None else {id(f): key for f, key in zip(found, keys)}
         limit = self.max_nodes
@@ -225,7 +224,7 @@ class Sampler:
             reading = self._read_probe(found, probe)
         else:
             reading = self._read_sample(found, step, predicted, limit)
-        reading.seconds = time.perf_counter() - started
+        reading.seconds = clock.wall() - started
         reading.cpu_seconds = graph.cpu_clock() - cpu_started
         self._learn(reading, step)
         return reading

@@ -20,6 +20,19 @@ read. Charged like the others, they are paid back by the routine walks, which gi
 a share of the budget to the walks that measure). A busy batch's changes are no new decodes, so
 owed walks are few. One-off costs (first calls, imports) are paid when the watchdog is made, not
 charged here.
+
+No reading stays stale for good, whatever spent the budget (the fix and every step's own time fill
+it in a busy ``--fix`` server, where the routine walks then never ran: a reading froze for 900
+steps while requests came and went). Two more walks are owed, sized by the walks' own CPU work, so
+that they cost a bounded share of decode whatever the budget says:
+
+* the caches changed since the last reading (a request joined, left, a batch changed in place):
+  the walk of the change is owed once the decode since the last walk has paid for it at
+  ``REFRESH_SHARE`` of the budget (a walk of 1-2 ms of CPU on 8-30 ms steps: within 25-50 steps);
+* nothing changed: the interval walk is owed at ``STALE_STRETCH`` times its interval.
+
+Those are the walks the budget gives up first, and they are few: the fix, spaced out when the
+budget cannot pay for it, gives way to them.
 """
 
 from __future__ import annotations
@@ -29,6 +42,16 @@ import math
 import statistics
 
 DENSE_OFFSETS = (0, 1, 2, 4, 8, 16, 32, 64)  # steps into a new decode that are walked
+# After them, walks at steps counted from the decode's start, each BEAT_RATIO times the last (96,
+# 144, 216, ...), first in the budget: a sawtooth of period P (a program that evaluates its caches
+# every P steps) is seen cut by two of them within 1.5 P steps, whatever the machine's speed, at a
+# cost that grows with the log of the steps. Walks by decode time come on top.
+FIRST_BEAT = 96
+BEAT_RATIO = 1.5
+# A beat is owed whatever the budget while a walk's work (its CPU time) is below this: on a loaded
+# machine a walk's wall time is mostly its wait for a core, and one spent credit would put the
+# beats off past the sawtooth they are there to see. Dearer walks wait for the budget.
+BEAT_CPU_SECONDS = 0.01
 # Walks of a new decode taken even when the budget is spent now (they are charged, and the routine
 # walks after them give way): one for its level, two 16 steps apart for its rate. Without them a
 # server whose budget one slow walk had spent (300 ms on a loaded machine) was blind to the next
@@ -61,13 +84,21 @@ FIX_STRETCH = 4
 # budget to them. A server whose batch empties now and then must read each new batch's growth
 # within a few steps, whatever the changes before it spent.
 ROUTINE_SHARE = 0.75
+# The caches changed since the last reading: its walk is owed, whatever the budget, once the decode
+# since the last walk has paid for one at this share of the overhead budget (by the walks' CPU work,
+# not their wall time: a loaded machine must not make readings rarer). A busy server's changes come
+# every 10-20 steps; with the walk owed at each, its reading was never off by more than a request.
+REFRESH_SHARE = 0.25
+# The interval walk the budget cannot pay for waits, but at most this many times its interval
+# (the reading of a steady decode, whose growth the forecast extrapolates meanwhile).
+STALE_STRETCH = 4
 # What the next walk will cost: the median of the last few. One walk descheduled on a loaded
 # machine (150 ms against 5) would otherwise hold every walk back until the decode had earned it.
 COST_WINDOW = 5
 
 
 class Schedule:
-    def __init__(self, overhead_budget: float, walk_interval: float | None) -> None:
+    def __init__(self, overhead_budget: float, walk_interval: float | None, beats: bool = True) -> None:
         self.overhead_budget = overhead_budget
         self.walk_interval = walk_interval
         self.decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
@@ -77,6 +108,11 @@ class Schedule:
             maxlen=COST_WINDOW
         )  # the last walks' seconds
         self.last_cost = 0.0  # what the next walk is expected to cost
+        self._works: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)  # their CPU work
+        self.work = 0.0  # what the next walk is expected to cost in CPU work
+        self.walk_step = -1  # the step of the last walk (-1: none yet)
+        self.walk_decode = 0.0  # decode_seconds at the last walk
+        self._interval = max(AUTO_WALK_INTERVAL, walk_interval or 0.0)  # when a late one is owed
         self._fix_costs: collections.deque[float] = collections.deque(maxlen=COST_WINDOW)
         self.fix_cost = 0.0  # what the next fix is expected to cost
         self._epoch_start = 0
@@ -86,22 +122,52 @@ class Schedule:
         self._owed_offsets: tuple[int, ...] = OWED_OFFSETS  # the epoch's walks owed whatever the budget
         self._owed = len(OWED_OFFSETS)  # index into _owed_offsets of the next one
         self._owed_next = False  # a walk owed at the next step (owe_walk)
+        # The walks at steps counted from the decode's start (not in fix mode: the fix cuts the
+        # chains itself, and its probes measure what it cuts).
+        self._first_beat: float = FIRST_BEAT if beats else math.inf
+        self._decode_start = 0  # the step the decode began at (its first epoch's)
+        self._beat = self._first_beat  # the next, as steps into the decode
         # Below both, no walk is wanted and due() is False: observe() skips the call (it runs on
         # every step, after the forward has left the CPU's caches cold; see Watchdog._observe).
-        # wake_decode is the decode time of the last walk plus the gap to the next.
+        # interval_decode is the decode time of the last walk plus the gap to the next; wake_decode
+        # the first decode time at which a walk may be wanted or owed (that one, or a refresh).
         self.wake_step: float = 0
-        self.wake_decode = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
+        self.interval_decode = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
+        self.wake_decode = self.interval_decode
+        self._off = False  # switch_off(): no walk is ever due
         self._arm()
 
     def _arm(self) -> None:
-        """wake_step: the epoch's next walk, or owed walk."""
+        """wake_step: the epoch's next walk, or owed walk; wake_decode: the next interval walk,
+        or owed refresh."""
         owed = self._owed_offsets
         offsets = [owed[self._owed]] if self._owed < len(owed) else []
         if self._next < len(self._offsets):
             offsets.append(self._offsets[self._next])
-        self.wake_step = self._epoch_start + min(offsets) if offsets else math.inf
+        changed = self._epoch_start > self.walk_step
+        if changed:  # the walk of the change, when it comes owed
+            offsets.append(CHANGE_OFFSETS[0])
+        self.wake_step = min(
+            self._epoch_start + min(offsets) if offsets else math.inf, self._decode_start + self._beat
+        )
         if self._owed_next:
             self.wake_step = 0
+        self.wake_decode = min(self.interval_decode, self.stale_decode())
+        if changed:
+            self.wake_decode = min(self.wake_decode, self.refresh_decode())
+        if self._off:
+            self.wake_step = self.wake_decode = math.inf
+
+    def refresh_decode(self) -> float:
+        """The decode time from which the walk of a change of the caches is owed: when the decode
+        since the last walk has paid for one at ``REFRESH_SHARE`` of the budget."""
+        share = REFRESH_SHARE * self.overhead_budget
+        return self.walk_decode + self.work / share if share > 0 else math.inf
+
+    def stale_decode(self) -> float:
+        """The decode time from which the interval walk is owed: ``STALE_STRETCH`` intervals
+        after the last walk."""
+        return self.walk_decode + STALE_STRETCH * self._interval
 
     def new_epoch(self, step: int, continuing: bool = False, measured: bool = True) -> None:
         """A new epoch at ``step``. One whose caches partly go on (``continuing``: a request
@@ -112,6 +178,7 @@ class Schedule:
         self._continuing = continuing
         self._owed = 0
         if not continuing:
+            self._decode_start, self._beat = step, self._first_beat
             self._offsets, self._owed_offsets = DENSE_OFFSETS, OWED_OFFSETS
         else:
             self._owed_offsets = (
@@ -124,13 +191,24 @@ class Schedule:
     def due(self, step: int, measured: bool = True) -> bool:
         """Is a walk due at ``step``, and does it fit the budget? ``measured``: the growth is known
         (the walk is routine). (Every step: kept cheap.)"""
+        if self._off:
+            return False
         offset = step - self._epoch_start
         owed = self._owed_offsets
         if self._owed_next or (self._owed < len(owed) and offset >= owed[self._owed]):
             return True
+        beat = step - self._decode_start >= self._beat
+        if beat and (self.work < BEAT_CPU_SECONDS or self.affordable()):  # first in the budget
+            return True
+        decode = self.decode_seconds
+        if decode >= self.stale_decode():  # the interval walk, late too long
+            return True
+        changed = self._epoch_start > self.walk_step and offset >= CHANGE_OFFSETS[0]
+        if changed and decode >= self.refresh_decode():  # the caches changed since the reading
+            return True
         wanted = (
             self._next < len(self._offsets) and offset >= self._offsets[self._next]
-        ) or self.decode_seconds >= self.wake_decode
+        ) or decode >= self.interval_decode
         return wanted and self.affordable(share=ROUTINE_SHARE if measured else 1.0)
 
     def affordable(self, walks: int = 1, share: float = 1.0) -> bool:
@@ -154,7 +232,15 @@ class Schedule:
         """A walk at the next step, whatever the budget: what the last one read is stale (a fix
         of long chains, spread over steps, has just cut them)."""
         self._owed_next = True
-        self.wake_step = 0
+        self._arm()
+
+    def switch_off(self) -> None:
+        """No walk is ever due from now on, owed ones included: a step runs observe()'s per-step
+        path alone (a diagnostic: what that path costs without the walks; a watchdog so switched
+        reads nothing)."""
+        self._off = True
+        self.wake_decode = math.inf
+        self._arm()
 
     def charge(self, seconds: float) -> None:
         """The watchdog's own seconds, against the budget. (``observe`` inlines this: every step.)"""
@@ -185,16 +271,24 @@ class Schedule:
         of CPU (its work: a walk that waited for a core must not space the next ones out)."""
         self._costs.append(cost)
         self.last_cost = statistics.median(self._costs)
+        work = cost if cpu_cost is None else min(cost, cpu_cost)  # (the walk and its waiter run in turn)
+        self._works.append(work)
+        self.work = statistics.median(self._works)
+        self.walk_step, self.walk_decode = step, self.decode_seconds
         self._owed_next = False
         offset = step - self._epoch_start
         while self._owed < len(self._owed_offsets) and self._owed_offsets[self._owed] <= offset:
             self._owed += 1
         while self._next < len(self._offsets) and self._offsets[self._next] <= offset:
             self._next += 1
+        while self._beat <= step - self._decode_start:
+            self._beat = math.ceil(self._beat * BEAT_RATIO)
         if self.walk_interval is not None:
             gap = self.walk_interval
         else:
-            work = cost if cpu_cost is None else min(cost, cpu_cost)  # (the walk and its waiter run in turn)
             gap = max(AUTO_WALK_INTERVAL, work / AUTO_WALK_SHARE)
-        self.wake_decode = self.decode_seconds + gap
+        # The interval walk owed when late: no sooner than a thousandth of decode pays for it
+        # (walk_interval=0 asks for walks as often as the budget allows, not for every step).
+        self._interval = max(gap, AUTO_WALK_INTERVAL, work / AUTO_WALK_SHARE)
+        self.interval_decode = self.decode_seconds + gap
         self._arm()

@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import math
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -31,9 +30,9 @@ from typing import Any, Protocol, runtime_checkable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from . import allocator, graph
+from . import allocator, clock, compiled, graph
 from . import forecast as fc
-from .actions import ResourceLimitForecast, Warnings, remedy
+from .actions import ResourceLimitForecast, Stop, Warnings, remedy
 from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all, steps_key
 from .attribution import Attribution
 from .caches import KEPT_MARK, Scope, member_of
@@ -218,6 +217,12 @@ class Watchdog:
         self.internal_errors = 0
         self.walks = 0
         self.stops: collections.Counter[str] = collections.Counter()
+        self._last_stops: dict[str, Stop] = {}  # the last stop of each reason
+        self._held_stop: Stop | None = None  # see held_stop
+        # A gap between two steps shorter than this is never idle: set by an attachment whose
+        # steps are known to be slow (a training step of several seconds: a first gap longer
+        # than IDLE_SECONDS would otherwise read as a pause, at every step).
+        self.min_idle_seconds = 0.0
 
         # What is attached to it: forecast() asks them for their readings.
         self._coordinator: Coordinator | None = None
@@ -231,7 +236,7 @@ class Watchdog:
         self._step_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=SAMPLE_WINDOW)
         self._pace_before_pause = 0.0  # seconds per step before the last pause (_seconds_per_step)
         self._scope = Scope()
-        self._schedule = Schedule(overhead_budget, walk_interval)
+        self._schedule = Schedule(overhead_budget, walk_interval, beats=not fix)
         self._sampler = Sampler()
         self._epoch = 0
         self._epoch_version = -1
@@ -367,7 +372,7 @@ class Watchdog:
         beside a running batch (``BatchGenerator``) does not start a new series.
 
         Never raises, except :class:`ResourceLimitForecast` when ``stop_within`` says so."""
-        start = time.perf_counter()
+        start = clock.wall()
         try:
             self._observe(roots, last_output, prefill, start)
         except ResourceLimitForecast:
@@ -375,7 +380,7 @@ class Watchdog:
         except Exception as exc:
             self.record_internal_error("observe", exc)
         finally:  # self._charge(start), inlined: this runs on every step
-            spent = time.perf_counter() - start
+            spent = clock.wall() - start
             self.overhead_seconds += spent
             self._schedule.spent += spent
 
@@ -387,7 +392,7 @@ class Watchdog:
         if self._ended:
             return
         self._ended = True
-        start = time.perf_counter()
+        start = clock.wall()
         try:
             self._attribution.finish()  # a probe still attached gives its class back now
             # Only on the thread that stepped (a generator closed by the garbage collector may end
@@ -418,7 +423,7 @@ class Watchdog:
             step_rate = self._step_rate() if decoding else 0.0
             rank, world_size = self._ranks()
             guard = self._prefill_guard
-            leaks = self._attribution.annotate(growth.leaks)
+            leaks = compiled.annotate(self._attribution.annotate(growth.leaks))
             # A count of the whole process: the growth no named site explains is shown, never hidden.
             unattributed = self._outside_rate()
             if isinstance(self._counter, BufferCounter) and growth.known:
@@ -456,7 +461,7 @@ class Watchdog:
         """Is anything stepping? False after ``generation_ended()`` or an idle gap."""
         if self._ended or self._last_observe == math.inf:
             return False
-        return time.perf_counter() - self._last_observe <= self._idle_seconds()
+        return clock.wall() - self._last_observe <= self._idle_seconds()
 
     def reset(self) -> None:
         """Forget the growth measured so far (a new generation starts); what is resident stays."""
@@ -464,9 +469,33 @@ class Watchdog:
             self._reset_series()
         self._epoch_version = -1
 
-    def record_stop(self, reason: str) -> None:
+    def record_stop(self, reason: str, forecast: fc.Forecast | None = None) -> Stop:
+        """Count a stop and keep the forecast that caused it (default: the forecast now): see
+        ``last_stops`` and ``held_stop``."""
+        if forecast is None:
+            forecast = self.forecast()
+        stop = Stop(reason, forecast, clock.now())
+        rank = self.rank
         with self._lock:
             self.stops[reason] += 1
+            self._last_stops[reason] = stop
+            if forecast.rate_known and forecast.rank == rank:  # a measured forecast, of this process
+                self._held_stop = stop
+        return stop
+
+    @property
+    def last_stops(self) -> dict[str, Stop]:
+        """The last stop of each reason (a copy), with the forecast that caused it."""
+        with self._lock:
+            return dict(self._last_stops)
+
+    @property
+    def held_stop(self) -> Stop | None:
+        """The last stop whose forecast no reading has replaced yet, else None. A stop ends the
+        caches that grew (and an attachment may forget the growth then): until a reading taken on
+        a decode step since measures the growth again, the stop's forecast is the last measured
+        one, and the exporters publish its rate, sites and steps to the limit."""
+        return self._held_stop
 
     def record_internal_error(self, where: str, exc: BaseException) -> None:
         """Count and log an error caught on the watchdog's behalf (the decode goes on)."""
@@ -543,7 +572,15 @@ class Watchdog:
         ):
             walked_pending = self._walk(roots, step)
             # A probe's second walk is taken whatever the budget: it must fit now, with this one.
-            if self.fix and self._last.pending_nodes and fixer.wants_probe() and schedule.affordable(walks=2):
+            # Until a probe has measured what the fix cuts, one is owed: without it the fix's
+            # sawtooth (up to 4x fix_every steps of chains when the budget spaces the fixes) is not
+            # followed between walks (a busy serve --fix: 233 buffers under after a new decode).
+            if (
+                self.fix
+                and self._last.pending_nodes
+                and fixer.wants_probe()
+                and (schedule.affordable(walks=2) or self._growth.probed is None)
+            ):
                 fixer.start_probe(step, self._growth.site_buffers())
         if self.fix:
             backlog = fixer.backlog
@@ -606,7 +643,7 @@ class Watchdog:
         followed); returns the roots' arrays found pending, with their sites. ``probe``: the
         fix-mode probe this reading ends."""
         self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
-        t0, cpu0 = time.perf_counter(), graph.cpu_clock()
+        t0, cpu0 = clock.wall(), graph.cpu_clock()
         if isinstance(self._counter, ProcessCounter):
             self._counter.mark()  # the reading is the lowest count over the walk (process_count.py)
         scope = self._scope
@@ -641,7 +678,9 @@ class Watchdog:
         owners = [(members[f.root], f.steps) if f.root else member_of(roots, f.steps) for f in found]
         if given:
             self._rows.arm(found, self._epoch)
-        reading = self._sampler.read(found, step, root_keys, [(id(m), steps_key(rest)) for m, rest in owners])
+        keys = [(id(m), steps_key(rest)) for m, rest in owners]
+        reading = self._sampler.read(found, step, root_keys, keys)
+        walked_now = reading.walked_indices
         pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
         self._fixer.remember_paths(found, pending)
 
@@ -652,7 +691,9 @@ class Watchdog:
         # id of a pending array of a cache other than the roots' -> what its graph holds: what
         # the fix frees when it cuts it in a kept cache
         held_by_others: dict[int, float] = {}
-        for f, (member, _), done, retained in zip(found, owners, reading.evaluated, reading.retained):
+        for index, (f, (member, _), key, done, retained) in enumerate(
+            zip(found, owners, keys, reading.evaluated, reading.retained)
+        ):
             if f.root and not done:
                 held_by_others[id(f.array)] = retained
             if kept[f.root]:
@@ -669,6 +710,9 @@ class Watchdog:
             if site is None:
                 site = sites[f.site] = SiteTally()
             site.arrays += 1
+            site.chains.append(
+                (key, cache.ref, 0.0 if done else retained, done or walked_now is None or index in walked_now)
+            )
             if done:
                 cache.buffers += 1
                 site.held += 1
@@ -678,13 +722,20 @@ class Watchdog:
                 site.retained += retained
                 if retained and len(site.paths) < MAX_PATHS_PER_SITE:
                     site.paths.append(f.path)
-        del members, owners
+        del members, owners, keys
         self._fixer.remember_kept(held_by_others)
 
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers
+        # The compiled functions' cache entries (compiled.py): process-wide, held outside any
+        # cache. Not in a probe's reading: the fix cuts none of them.
+        compiled_buffers = 0
+        for compiled_site, (buffers, entries) in compiled.tallies().items():
+            compiled_buffers += buffers
+            if probe is None:
+                sites[compiled_site] = SiteTally(held=buffers, arrays=entries)
         mlx_cached = 0
-        resident = walked = self._parameter_buffers + cache_buffers + retained_buffers
+        resident = walked = self._parameter_buffers + cache_buffers + retained_buffers + compiled_buffers
         counter = self._counter
         if isinstance(counter, BufferCounter):  # MLX's own count: live buffers grow, cached ones are reserved
             live, mlx_cached = counter.read()
@@ -710,7 +761,6 @@ class Watchdog:
                 sample,
                 probe,
                 fixing,
-                reading.sampled,
                 kept=kept_buffers if found else None,
                 kept_since=kept_since,
             )
@@ -728,9 +778,11 @@ class Watchdog:
                 self._fixer.last_step,
             )
             self.walks += 1
+            if given and self._growth.known:  # a decode step's reading measured the growth
+                self._held_stop = None
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
         self._attribution.consider(self._growth.leaks, found, [roots] + others)
-        self._schedule.walked(step, time.perf_counter() - t0, graph.cpu_clock() - cpu0)
+        self._schedule.walked(step, clock.wall() - t0, graph.cpu_clock() - cpu0)
         if self.on_forecast is not None:
             try:
                 self.on_forecast(self.forecast())
@@ -743,7 +795,7 @@ class Watchdog:
     ) -> None:
         fixer = self._fixer
         self._disown(allocator.settle())
-        fix_started = time.perf_counter()
+        fix_started = clock.wall()
         failed = 0
         try:
             pending = fixer.pending(
@@ -775,7 +827,7 @@ class Watchdog:
         finally:
             # Charged with the rest of observe(); the schedule keeps the walks a floor of the
             # budget when the fix alone would spend it (fix_every=1 on a slow host).
-            self._schedule.charge_fix(time.perf_counter() - fix_started)
+            self._schedule.charge_fix(clock.wall() - fix_started)
         if failed:
             with self._lock:
                 self.fix_failures += failed
@@ -833,7 +885,7 @@ class Watchdog:
                 if coordinator is not None:
                     stl = coordinator.worst(step, stl)
             if stl <= self.stop_within:
-                self.record_stop("forecast")
+                self.record_stop("forecast", forecast)
                 logger.error("mlx-watchdog: stopping the generation: %s", forecast.describe())
                 raise ResourceLimitForecast(forecast)
         # While a probe looks for a leak's source line (a step or two), the warning waits for it.
@@ -846,7 +898,7 @@ class Watchdog:
             logger.warning(
                 "mlx-watchdog: resource limit forecast: %s (%s)",
                 forecast.describe(),
-                remedy(self.fix, self._fixer.fixed_once),
+                compiled.advice(forecast.leaks) or remedy(self.fix, self._fixer.fixed_once),
             )
 
     # ----------------------------------------------------------------- helpers
@@ -915,8 +967,12 @@ class Watchdog:
         if self.fix and fixer.fixed_once and cut:
             # Between two fixes the chains it cuts grow back (a sawtooth, up to 4x fix_every steps
             # high when the budget spaces the fixes): as high now as the steps since the last fix
-            # made them, against as high as they were at the reading.
-            growth += cut * ((step - fixer.last_step) - (last.step - last.fixed_at)) * gone.alive_share
+            # made them, against as high as they were at the reading. A reading before the series'
+            # first fix saw chains grown since the series began, not since the fix a reset pretends
+            # (fix_every steps before it, so that the first fix comes at once): 80 buffers too low
+            # until the next walk, counted from there.
+            grown = last.step - max(last.fixed_at, fixer.series_start)
+            growth += cut * ((step - fixer.last_step) - grown) * gone.alive_share
         return max(float(self._parameter_buffers), last.resident - gone.buffers + growth)
 
     def _outside_rate(self) -> float:
@@ -941,7 +997,7 @@ class Watchdog:
 
     def _idle_seconds(self) -> float:
         # A slow decode (a big model on a slow host) is not idle between its steps.
-        return max(IDLE_SECONDS, 8 * self._seconds_per_step())
+        return max(IDLE_SECONDS, 8 * self._seconds_per_step(), self.min_idle_seconds)
 
     def _step_rate(self) -> float:
         if len(self._step_times) < 2:
@@ -953,7 +1009,7 @@ class Watchdog:
 
     def _charge(self, start: float) -> None:
         """The watchdog's own time since ``start``: in its overhead and against its budget."""
-        spent = time.perf_counter() - start
+        spent = clock.wall() - start
         self.overhead_seconds += spent
         self._schedule.charge(spent)
 
