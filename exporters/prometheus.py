@@ -35,12 +35,13 @@ from .. import __version__
 from ..core import compiled
 from ..core.coordination import launch_rank
 from ..core.limits import backend, device_name
+from ..core.options import DEFAULT_METRICS_PORT
 from ..core.watchdog import Watchdog, live_watchdogs
 from .http import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HEADER_BYTES, BoundedHTTPServer
 
 logger = logging.getLogger("mlx_watchdog")
 
-DEFAULT_PORT = 9464  # the port OpenTelemetry's Prometheus exporter uses by default
+DEFAULT_PORT = DEFAULT_METRICS_PORT  # the port OpenTelemetry's Prometheus exporter uses by default
 DEFAULT_MAX_SITES = 20  # site series per leak family and watchdog, "other" included
 OTHER_SITE = "other"  # the site label of the sum of the sites past max_sites
 

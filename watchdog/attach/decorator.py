@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 
 from ..core.watchdog import Watchdog
-from .model import Watching, watchdog_from
+from .model import Watching, check_options, watchdog_from
 
 
 def watch(
@@ -30,7 +30,7 @@ def watch(
     if fn is None:
         # Bad options fail here, at @watch(...), not later when a function is decorated.
         if watchdog is None:
-            Watchdog(**{**options, "export": False})  # a throw-away, to check the options
+            check_options(options)
         else:
             watchdog_from(watchdog, options)
         return functools.partial(

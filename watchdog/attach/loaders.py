@@ -317,35 +317,18 @@ def _stop_resetting_watchdog() -> type:
 
 
 def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The options, checked as ``Watchdog`` checks them, before anything is patched. The bounds
-    module imports the standard library only."""
+    """The options, checked by the record ``Watchdog`` builds (``WatchdogOptions``), before
+    anything is patched: those given, normalized. The options module imports the standard library
+    only."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise TypeError(
             f"instrument() got unexpected option(s) {', '.join(unknown)}; it takes {', '.join(OPTIONS)}"
         )
-    from ..core import options as bounds
+    from ..core.options import WatchdogOptions
 
-    checked = dict(options)
-    checks: dict[str, Callable[[Any], Any]] = {
-        "limit": lambda v: None if v is None else bounds.checked_positive_int(v, "limit"),
-        "fix": lambda v: bounds.checked_bool(v, "fix"),
-        "fix_every": lambda v: bounds.checked_positive_int(v, "fix_every"),
-        "warn_within": lambda v: bounds.checked_steps(v, "warn_within"),
-        "stop_within": lambda v: bounds.checked_steps(v, "stop_within"),
-        "overhead_budget": lambda v: bounds.checked_fraction(v, "overhead_budget"),
-        "walk_interval": lambda v: bounds.checked_walk_interval(v),
-        "max_objects": lambda v: bounds.checked_positive_int(v, "max_objects"),
-        "max_depth": lambda v: bounds.checked_positive_int(v, "max_depth"),
-        "process_count": lambda v: bounds.checked_process_count(v),
-    }
-    for name, check in checks.items():
-        if name in checked:
-            checked[name] = check(checked[name])
-    on_forecast = checked.get("on_forecast")
-    if on_forecast is not None and not callable(on_forecast):
-        raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
-    return checked
+    checked = WatchdogOptions(**options)
+    return {name: getattr(checked, name) for name in options}
 
 
 def _per_step_object(library: str, model: Any) -> Any:

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ..core.options import WatchdogOptions
 from ..core.watchdog import Watchdog
 
 _STATE = "_mlx_watchdog_state"
@@ -73,6 +74,13 @@ def _observed_call(self, *args, **kwargs):
 def _tokens(inputs: Any) -> int:
     shape = getattr(inputs, "shape", None)
     return int(shape[1]) if shape is not None and len(shape) >= 2 else 1
+
+
+def check_options(options: dict) -> None:
+    """Check ``Watchdog`` keyword options now, as the watchdog they will make checks them
+    (``WatchdogOptions``), without making one: ``ValueError`` naming a bad option, ``TypeError``
+    for an unknown one."""
+    WatchdogOptions(**{name: value for name, value in options.items() if name != "model"})
 
 
 def watchdog_from(watchdog: Watchdog | None, options: dict) -> Watchdog:

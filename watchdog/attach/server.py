@@ -45,7 +45,7 @@ import mlx.core as mx
 from ..core.actions import ResourceLimitForecast
 from ..core.watchdog import Watchdog
 from . import distributed, prefill
-from .model import unwatch_model, watch_model, watched_state
+from .model import check_options, unwatch_model, watch_model, watched_state
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -136,7 +136,7 @@ class ServerHooks:
         self, options: dict | None = None, *, adapt_prefill: bool = False, server_module: Any = None
     ):
         self.options = dict(options or {})
-        Watchdog(**self.options, export=False)  # validate the options now, not at the first load
+        check_options(self.options)  # now, not at the first load
         self.adapt_prefill = bool(adapt_prefill)
         self.server = server_module if server_module is not None else importlib.import_module("mlx_lm.server")
         for cls_name, method in _HOOK_POINTS:

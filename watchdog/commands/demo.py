@@ -34,6 +34,7 @@ import math
 import time
 from typing import Any
 
+from ..core.options import DEFAULT_METRICS_PORT
 from .common import (
     EXIT_LEAK,
     EXIT_OK,
@@ -66,7 +67,6 @@ PROMPT_TOKENS = 8
 # first steps: the chains are short, the walks cheap.
 OVERHEAD_BUDGET = 0.05
 REFRESH_SECONDS = 0.25
-DEFAULT_METRICS_PORT = 9464  # the exporter's default (OpenTelemetry's Prometheus port)
 SCHEMA = "mlx-watchdog.demo/1"
 
 

@@ -4,24 +4,26 @@ the ``Watchdog`` keyword options they make."""
 from __future__ import annotations
 
 import argparse
-import inspect
+import dataclasses
 from typing import Any
 
-from ..core.options import (
-    checked_fraction,
-    checked_port,
-    checked_positive_int,
-    checked_process_count,
-    checked_steps,
-    checked_walk_interval,
-)
-from ..core.watchdog import Watchdog
+from ..core.options import DEFAULT_METRICS_PORT, WatchdogOptions, checked_port
 from .common import UsageError, fraction, port_number, positive_int, seconds, step_count
 
-DEFAULT_METRICS_PORT = 9464
 DEFAULT_METRICS_ADDR = "127.0.0.1"
 # The flags' defaults are the Watchdog's own.
-DEFAULTS = {name: p.default for name, p in inspect.signature(Watchdog).parameters.items()}
+DEFAULTS: dict[str, Any] = {field.name: field.default for field in dataclasses.fields(WatchdogOptions)}
+# The options the flags set.
+FLAGGED = (
+    "limit",
+    "fix",
+    "fix_every",
+    "warn_within",
+    "stop_within",
+    "overhead_budget",
+    "walk_interval",
+    "process_count",
+)
 
 
 def default_metrics_port() -> int:
@@ -158,40 +160,17 @@ def start_metrics(args: argparse.Namespace, **kwargs: Any) -> Any:
 
 
 def watchdog_options(args: argparse.Namespace) -> dict:
-    """The ``Watchdog`` keyword options from parsed arguments. Raises ``ValueError`` naming the
-    option when a value is bad (for a Namespace built without the parser)."""
-
-    def get(name, default=None):
-        return getattr(args, name, default)
-
-    limit = get("limit")
-    if limit is not None:
-        checked_positive_int(limit, "--limit")
-    interval = checked_walk_interval(get("walk_interval", DEFAULTS["walk_interval"]), "--walk-interval")
-    if not get("no_metrics", False):
-        checked_port(get("metrics_port", DEFAULT_METRICS_PORT), "--metrics-port")
-        addr = get("metrics_addr", DEFAULT_METRICS_ADDR)
+    """The ``Watchdog`` keyword options from parsed arguments, checked as ``Watchdog`` checks them
+    (``WatchdogOptions``). Raises ``ValueError`` naming the flag when a value is bad (for a
+    Namespace built without the parser)."""
+    if not getattr(args, "no_metrics", False):
+        checked_port(getattr(args, "metrics_port", DEFAULT_METRICS_PORT), "--metrics-port")
+        addr = getattr(args, "metrics_addr", DEFAULT_METRICS_ADDR)
         if not isinstance(addr, str) or not addr.strip():
             raise ValueError(f"--metrics-addr must be a host name or IP address, got {addr!r}")
-    return {
-        "limit": limit,
-        "fix": bool(get("fix", False)),
-        "fix_every": checked_positive_int(get("fix_every", DEFAULTS["fix_every"]), "--fix-every"),
-        "warn_within": checked_steps(get("warn_within"), "--warn-within"),
-        "stop_within": checked_steps(get("stop_within"), "--stop-within"),
-        "overhead_budget": checked_fraction(
-            get("overhead_budget", DEFAULTS["overhead_budget"]), "--overhead-budget"
-        ),
-        "walk_interval": interval,
-        "process_count": _process_count(get("process_count", "auto")),
-    }
-
-
-def _process_count(value: Any) -> bool | str:
-    """--process-count's word (or, in a Namespace built without the parser, a Watchdog value)."""
-    if isinstance(value, str) and value in PROCESS_COUNT:
-        return PROCESS_COUNT[value]
-    try:
-        return checked_process_count(value, "--process-count")
-    except ValueError:
-        raise ValueError(f"--process-count must be one of auto, on, off, got {value!r}") from None
+    given = {name: getattr(args, name, DEFAULTS[name]) for name in FLAGGED}
+    word = given["process_count"]  # --process-count's word, or a Watchdog value
+    if isinstance(word, str) and word in PROCESS_COUNT:
+        given["process_count"] = PROCESS_COUNT[word]
+    options = WatchdogOptions(**given, flags=True)
+    return {name: getattr(options, name) for name in FLAGGED}

@@ -26,11 +26,10 @@ import mlx.core as mx
 
 from . import objects
 from .objects import ARRAY, DICT, OBJECT, OPAQUE, SEQUENCE, SET, code_name, info
+from .options import MAX_DEPTH, MAX_OBJECTS
 
 logger = logging.getLogger("mlx_watchdog")
 
-MAX_OBJECTS = 100_000
-MAX_DEPTH = 64
 MAX_ITEMS = 100_000  # a container with more is skipped whole (a vocabulary, a token list)
 MAX_WALK_ITEMS = 1_000_000  # items looked at in one walk, over all its containers
 MAX_SITE_LEN = 80

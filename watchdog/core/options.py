@@ -1,9 +1,12 @@
-"""The bounds of the watchdog's options, each written once.
+"""The watchdog's options, each bound and each default written once.
 
-Two kinds of check use them: ``Watchdog``'s (and ``serve``'s, for a Namespace built without the
-parser), on Python values, whose errors name the parameter or serve's flag; and the command
-line's argparse types, on text. Written once, the two cannot drift apart (a NaN threshold,
-which never fires, must fail both).
+``WatchdogOptions`` is every option of a ``Watchdog``, checked once when it is built, with errors
+that name the parameter (or the command line's flag). ``Watchdog(**keywords)`` builds one, and so
+do the places that check options before any watchdog exists: ``@watch(...)``, ``instrument()``,
+``serve``'s hooks and the command line. The command line's argparse types check text against the
+same bounds (``Bound``). Written once, the checks cannot drift apart (a NaN threshold, which never
+fires, must fail all of them). This module imports the standard library only: options are checked
+before MLX is imported.
 """
 
 from __future__ import annotations
@@ -93,3 +96,80 @@ def checked_fraction(value: Any, label: str) -> float:
     if not _is_number(value) or not FRACTION.holds(value):
         raise ValueError(f"{label} must be {FRACTION.what}, got {value!r}")
     return float(value)
+
+
+def checked_limit(value: Any, label: str = "limit") -> int | None:
+    """A buffer limit, or None (the device's)."""
+    return None if value is None else checked_positive_int(value, label)
+
+
+def checked_callable(value: Any, label: str) -> Any:
+    """A callable, or None."""
+    if value is not None and not callable(value):
+        raise ValueError(f"{label} must be callable, got {value!r}")
+    return value
+
+
+DEFAULT_METRICS_PORT = 9464  # the port OpenTelemetry's Prometheus exporter uses by default
+MAX_OBJECTS = 100_000  # objects one walk of the roots looks at, at most (arrays.py)
+MAX_DEPTH = 64  # how deep it goes from the roots
+
+
+def flag(name: str) -> str:
+    """The command line's flag of an option: ``fix_every`` -> ``--fix-every``."""
+    return "--" + name.replace("_", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class WatchdogOptions:
+    """Every option of a ``Watchdog`` (its keyword arguments but ``model``; ``Watchdog`` says what
+    each does), checked once, here: a bad value raises ``ValueError`` naming the option, with
+    ``flags=True`` the command line's flag (``--fix-every``) instead. Values come out normalized
+    (numpy's numbers and bools as Python's, thresholds and seconds as floats). Building one
+    imports nothing and creates no watchdog."""
+
+    limit: int | None = None  # None: the device's resource limit, else 499,000
+    name: str | None = None
+    fix: bool = False
+    fix_every: int = 16
+    warn_within: float | None = None
+    stop_within: float | None = None
+    on_forecast: Callable[[Any], Any] | None = None
+    overhead_budget: float = 0.01
+    walk_interval: float | None = None
+    export: bool = True
+    max_objects: int = MAX_OBJECTS
+    max_depth: int = MAX_DEPTH
+    process_count: bool | str = "auto"
+    flags: dataclasses.InitVar[bool] = False
+
+    def __post_init__(self, flags: bool) -> None:
+        for field in dataclasses.fields(self):
+            label = flag(field.name) if flags else field.name
+            value = _CHECKS[field.name](getattr(self, field.name), label)
+            object.__setattr__(self, field.name, value)
+
+    def keywords(self) -> dict[str, Any]:
+        """The options that differ from the defaults, as ``Watchdog`` keyword arguments."""
+        return {
+            field.name: value
+            for field in dataclasses.fields(self)
+            if (value := getattr(self, field.name)) != field.default
+        }
+
+
+_CHECKS: dict[str, Callable[[Any, str], Any]] = {
+    "limit": checked_limit,
+    "name": checked_name,
+    "fix": checked_bool,
+    "fix_every": checked_positive_int,
+    "warn_within": checked_steps,
+    "stop_within": checked_steps,
+    "on_forecast": checked_callable,
+    "overhead_budget": checked_fraction,
+    "walk_interval": checked_walk_interval,
+    "export": checked_bool,
+    "max_objects": checked_positive_int,
+    "max_depth": checked_positive_int,
+    "process_count": checked_process_count,
+}

@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 from . import allocator, clock, compiled, graph
 from . import forecast as fc
 from .actions import ResourceLimitForecast, Stop, Warnings, remedy
-from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all, steps_key
+from .arrays import scan_all, steps_key
 from .attribution import Attribution
 from .caches import KEPT_MARK, Scope, member_of
 from .coordination import Coordinator, launched, new_coordinator
@@ -42,12 +42,10 @@ from .growth import SAMPLE_WINDOW, Growth, SiteTally
 from .limits import BufferCounter, find_buffer_counter, resolve_limit, unseen_margin
 from .objects import type_name
 from .options import (
-    checked_bool,
+    WatchdogOptions,
     checked_fraction,
     checked_name,
     checked_positive_int,
-    checked_process_count,
-    checked_steps,
     checked_walk_interval,
 )
 from .process_count import ProcessCounter
@@ -62,6 +60,7 @@ logger = logging.getLogger("mlx_watchdog")
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
 IDLE_SECONDS = 3.0  # no step for this long (or 8 typical steps, if longer) is idle: nothing grows
 MAX_PATHS_PER_SITE = 16
+DEFAULTS = WatchdogOptions()
 
 _live: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -162,50 +161,52 @@ class Watchdog:
         limit: int | None = None,
         *,
         name: str | None = None,
-        fix: bool = False,
-        fix_every: int = 16,
+        fix: bool = DEFAULTS.fix,
+        fix_every: int = DEFAULTS.fix_every,
         warn_within: float | None = None,
         stop_within: float | None = None,
         on_forecast: Callable[[fc.Forecast], Any] | None = None,
-        overhead_budget: float = 0.01,
+        overhead_budget: float = DEFAULTS.overhead_budget,
         walk_interval: float | None = None,
-        export: bool = True,
+        export: bool = DEFAULTS.export,
         model: Any = None,
-        max_objects: int = MAX_OBJECTS,
-        max_depth: int = MAX_DEPTH,
-        process_count: bool | str = "auto",
+        max_objects: int = DEFAULTS.max_objects,
+        max_depth: int = DEFAULTS.max_depth,
+        process_count: bool | str = DEFAULTS.process_count,
     ):
-        self.limit = resolve_limit(limit)
+        options = WatchdogOptions(
+            limit=limit,
+            name=name,
+            fix=fix,
+            fix_every=fix_every,
+            warn_within=warn_within,
+            stop_within=stop_within,
+            on_forecast=on_forecast,
+            overhead_budget=overhead_budget,
+            walk_interval=walk_interval,
+            export=export,
+            max_objects=max_objects,
+            max_depth=max_depth,
+            process_count=process_count,
+        )
+        self.limit = resolve_limit(options.limit)
         # MLX's own count, where it has one (Metal); else the process count (process_count.py)
         self._counter: BufferCounter | ProcessCounter | None = find_buffer_counter()
-        fix_every = checked_positive_int(fix_every, "fix_every")
-        name = checked_name(name)
-        fix = checked_bool(fix, "fix")
-        export = checked_bool(export, "export")
-        checked_positive_int(max_objects, "max_objects")
-        checked_positive_int(max_depth, "max_depth")
-        warn_within = checked_steps(warn_within, "warn_within")
-        stop_within = checked_steps(stop_within, "stop_within")
-        overhead_budget = checked_fraction(overhead_budget, "overhead_budget")
-        walk_interval = checked_walk_interval(walk_interval)
-        if on_forecast is not None and not callable(on_forecast):
-            raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
-        process_count = checked_process_count(process_count)
         # Why the process count is not read (None while it is): the counter, whoever's it is.
         self.process_count_off: str | None = None
         if self._counter is not None:
             self.process_count_off = f"MLX's own counter is read ({self._counter.name})"
         else:
-            self._counter, self.process_count_off = process_counter(process_count)
+            self._counter, self.process_count_off = process_counter(options.process_count)
         self._unseen = unseen_margin(self._counter)
-        self._name = name  # None: "default", until an attachment names it after its model
-        self.fix = fix
-        self.warn_within = warn_within
-        self.stop_within = stop_within
-        self.on_forecast = on_forecast
-        self.export = export
-        self.max_objects = max_objects
-        self.max_depth = max_depth
+        self._name = options.name  # None: "default", until an attachment names it after its model
+        self.fix = options.fix
+        self.warn_within = options.warn_within
+        self.stop_within = options.stop_within
+        self.on_forecast = options.on_forecast
+        self.export = options.export
+        self.max_objects = options.max_objects
+        self.max_depth = options.max_depth
 
         # Counters (monotonic; read by exporters at scrape time).
         self.steps = 0
@@ -236,7 +237,7 @@ class Watchdog:
         self._step_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=SAMPLE_WINDOW)
         self._pace_before_pause = 0.0  # seconds per step before the last pause (_seconds_per_step)
         self._scope = Scope()
-        self._schedule = Schedule(overhead_budget, walk_interval, beats=not fix)
+        self._schedule = Schedule(options.overhead_budget, options.walk_interval, beats=not options.fix)
         self._sampler = Sampler()
         self._epoch = 0
         self._epoch_version = -1
@@ -247,7 +248,7 @@ class Watchdog:
         # A batch filtered or extended in place (the same caches, other rows) is seen by the rows
         # (first dimension) of one array of the roots, looked at every few steps (rows.py).
         self._rows = RowsWatch()
-        self._fixer = Fixer(fix_every)
+        self._fixer = Fixer(options.fix_every)
         self._warnings = Warnings()
         self._last = _LastReading()  # between readings the forecast extrapolates from it
         self._attribution = Attribution()  # the source line of each leak site, probed once
