@@ -11,6 +11,8 @@ never the reverse.
   ``rows.py`` sees a batch filtered or extended in place (the same caches, other rows).
 * Counting: ``graph.py`` counts one walk of the lazy graph (``mx.export_to_dot``);
   ``sampling.py`` decides whether a reading walks every pending array or a sample;
+  ``reading.py`` turns what a walk found into a value, a ``Reading`` (by cache, by site, what is
+  resident, kept and pending), by arithmetic alone;
   ``allocator.py`` settles the C allocator's deferred work before a walk is timed.
 * Over time: ``schedule.py`` (when to walk, within the budget), ``growth.py`` (readings ->
   rate and leak sites), ``forecast.py`` (robust slopes, the step and time of the limit),

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import forecast as fc
 from .caches import kept_site
+from .reading import Reading, SiteTally
 
 if TYPE_CHECKING:
     from .fix import Probe
@@ -53,19 +54,6 @@ YOUNG = 2
 # OVERDUE_READINGS readings at least: the program no longer cuts it.
 OVERDUE = 4
 OVERDUE_READINGS = 4
-
-
-@dataclasses.dataclass(slots=True)
-class SiteTally:
-    """One site's arrays in one reading."""
-
-    held: int = 0  # evaluated arrays: a buffer each
-    retained: float = 0.0  # buffers the graphs of its pending arrays keep alive
-    paths: list[str] = dataclasses.field(default_factory=list)  # some of those pending arrays
-    arrays: int = 0
-    # Each array walked: (its key, the cache's weak reference or None, retained, walked now):
-    # followed to the next reading by its key, while its cache is the same object.
-    chains: list[tuple[tuple, Any, float, bool]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -265,21 +253,14 @@ class Growth:
         self.probed: float | None = None  # what the fix cuts per step, over all sites
         self.growing: set[str] | None = None  # sites the probes saw grow; None: not probed yet
 
-    def record(
-        self,
-        step: int,
-        epoch: int,
-        sites: dict[str, SiteTally],
-        sample: float | None,
-        probe: Probe | None,
-        fixing: bool = False,
-        kept: float | None = None,
-        kept_since: int | None = None,
-    ) -> None:
-        """One reading. ``sample``: the buffers to fit the rate on (None: no sample, e.g. an empty
-        cache). ``probe``: the fix-mode probe this reading ends (its growth per site). ``fixing``:
-        the fix cuts chains now, so a cut is no longer the program's. ``kept``: the buffers of kept caches (None: no sample);
-        ``kept_since``: the last forward of the newest of them."""
+    def record(self, reading: Reading, epoch: int, probe: Probe | None, fixing: bool = False) -> None:
+        """One reading (``reading.py``), of ``epoch``. Its ``sample``: the buffers to fit the rate on
+        (None: no sample, e.g. an empty cache). ``probe``: the fix-mode probe this reading ends (its
+        growth per site). ``fixing``: the fix cuts chains now, so a cut is no longer the program's.
+        Its ``kept``: the buffers of kept caches (None: no sample); ``kept_since``: the last forward
+        of the newest of them."""
+        step, sites, sample = reading.step, reading.by_site, reading.sample
+        kept, kept_since = reading.kept, reading.kept_since
         for site, tally in sites.items():
             if probe is None and kept is not None and kept_site(site):
                 at_site = self.kept_sites.get(site)

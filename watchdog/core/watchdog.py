@@ -33,12 +33,12 @@ from mlx.utils import tree_flatten
 from . import allocator, clock, compiled, graph
 from . import forecast as fc
 from .actions import ResourceLimitForecast, Stop, Warnings, remedy
-from .arrays import scan_all, steps_key
+from .arrays import Found, scan_all, steps_key
 from .attribution import Attribution
 from .caches import KEPT_MARK, Scope, member_of
 from .coordination import Coordinator, launched, new_coordinator
 from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
-from .growth import SAMPLE_WINDOW, Growth, SiteTally
+from .growth import SAMPLE_WINDOW, Growth
 from .limits import BufferCounter, find_buffer_counter, resolve_limit, unseen_margin
 from .objects import type_name
 from .options import (
@@ -50,6 +50,7 @@ from .options import (
 )
 from .process_count import ProcessCounter
 from .process_count import counter as process_counter
+from .reading import Reading, read
 from .rows import EVERY as ROWS_EVERY
 from .rows import RowsWatch
 from .sampling import Sampler, warm_up
@@ -59,7 +60,6 @@ logger = logging.getLogger("mlx_watchdog")
 
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
 IDLE_SECONDS = 3.0  # no step for this long (or 8 typical steps, if longer) is idle: nothing grows
-MAX_PATHS_PER_SITE = 16
 DEFAULTS = WatchdogOptions()
 
 _live: weakref.WeakSet[Watchdog] = weakref.WeakSet()
@@ -89,36 +89,11 @@ class PrefillReadings(Protocol):
         ...
 
 
-@dataclasses.dataclass(slots=True)
-class _CacheTally:
-    """A followed cache's buffers in one reading. When the cache dies they go with it, before the
-    next reading sees it (a request ended between two scrapes), and so does its share of the
-    growth (chains grow, evaluated arrays do not)."""
-
-    ref: weakref.ref | None  # the cache, while the scope follows it
-    buffers: float = 0.0  # evaluated arrays, and the buffers their pending graphs retain
-    retained: float = 0.0  # of which retained by pending graphs
-
-
-@dataclasses.dataclass(frozen=True)
-class _LastReading:
-    step: int = 0
-    resident: float = 0.0
-    cache_buffers: int = 0
-    retained: int = 0
-    pending_nodes: int = 0
-    sampled: bool = False
-    by_cache: tuple[_CacheTally, ...] = ()
-    mlx_cached: int = 0  # buffers in MLX's cache, read from MLX's own counter (0 without one)
-    pending_arrays: int = 0  # of the arrays walked (or, sampled, estimated), those still lazy
-    fixed_at: int = 0  # the step of the last fix before the reading (in fix mode)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Gone:
     """What the caches dead since a reading took with them; recounted when the scope changes."""
 
-    reading: _LastReading | None = None
+    reading: Reading | None = None
     version: int = -1  # the scope's version it was counted at
     buffers: float = 0.0  # the dead caches' buffers
     alive_share: float = 1.0  # the share of the growth that goes on in the live caches
@@ -250,7 +225,7 @@ class Watchdog:
         self._rows = RowsWatch()
         self._fixer = Fixer(options.fix_every)
         self._warnings = Warnings()
-        self._last = _LastReading()  # between readings the forecast extrapolates from it
+        self._last = Reading()  # between readings the forecast extrapolates from it
         self._attribution = Attribution()  # the source line of each leak site, probed once
         self._gone = _Gone()
         self._empty_walks = 0
@@ -357,7 +332,7 @@ class Watchdog:
             arrays = {id(a): a for _, a in flat if isinstance(a, mx.array)}
             self._parameter_buffers = len(arrays)
             if self.walks == 0:  # nothing read yet: the parameters are what is known to be resident
-                self._last = _LastReading(resident=float(self._parameter_buffers))
+                self._last = Reading(resident=float(self._parameter_buffers))
         except Exception as exc:
             self.record_internal_error("count_parameters", exc)
         return self._parameter_buffers
@@ -643,25 +618,88 @@ class Watchdog:
         """Read every live cache (``roots`` and the others; None: no roots, only the caches
         followed); returns the roots' arrays found pending, with their sites. ``probe``: the
         fix-mode probe this reading ends."""
-        self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
-        t0, cpu0 = clock.wall(), graph.cpu_clock()
-        if isinstance(self._counter, ProcessCounter):
-            self._counter.mark()  # the reading is the lowest count over the walk (process_count.py)
-        scope = self._scope
-        others = scope.others() if roots is not None else scope.members()
+        t0, cpu0 = self._start_walk()
         given = roots is not None
         roots = () if roots is None else roots
-        # A server's kept caches (caches.py): their arrays under sites of their own
+        others, kept, kept_since = self._walk_scope(step, given)
+        found, owners = self._scan(roots, others, kept)
+        if given:
+            self._rows.arm(found, self._epoch)
+        keys = [(id(m), steps_key(rest)) for m, rest in owners]
+        measured = self._sampler.read(found, step, [0] + [id(c) for c in others], keys)
+        pending = [f for f, done in zip(found, measured.evaluated) if not done and f.root == 0]
+        self._fixer.remember_paths(found, pending)
+        # What the fix frees when it cuts a pending array of a cache other than the roots' (kept).
+        self._fixer.remember_kept(
+            {
+                id(f.array): held
+                for f, done, held in zip(found, measured.evaluated, measured.retained)
+                if f.root and not done
+            }
+        )
+        reading = read(
+            found,
+            measured.evaluated,
+            measured.retained,
+            step=step,
+            keys=keys,
+            refs=self._followed(owners),
+            walked=measured.walked_indices,
+            kept=kept,
+            kept_since=kept_since,
+            pending_nodes=measured.pending_nodes,
+            sampled=measured.sampled,
+            parameters=self._parameter_buffers,
+            # The compiled functions' cache entries: not sites of a probe's reading (the fix cuts none).
+            compiled=compiled.tallies(),
+            compiled_sites=probe is None,
+            mlx_count=self._counter.read() if isinstance(self._counter, BufferCounter) else None,
+            fixing=self.fix and self._fixer.fixed_once,
+            fixed_at=self._fixer.last_step,
+        )
+        del owners, keys
+        if isinstance(
+            self._counter, ProcessCounter
+        ):  # what the process holds beyond the walk, and its growth
+            reading = dataclasses.replace(reading, resident=self._counter.reading(step, reading.walked))
+        self._record(reading, probe, given)
+        # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
+        self._attribution.consider(self._growth.leaks, found, [roots] + others)
+        self._schedule.walked(step, clock.wall() - t0, graph.cpu_clock() - cpu0)
+        self._call_back()
+        return [(f.site, f.array) for f in pending]
+
+    def _start_walk(self) -> tuple[float, float]:
+        """Settle the allocator, start the walk's clocks (wall, CPU) and mark the process count."""
+        self._disown(allocator.settle())  # the program's deferred frees, merged before the clock starts
+        started = clock.wall(), graph.cpu_clock()
+        if isinstance(self._counter, ProcessCounter):
+            self._counter.mark()  # the reading is the lowest count over the walk (process_count.py)
+        return started
+
+    def _walk_scope(self, step: int, given: bool) -> tuple[list[Any], list[bool], int | None]:
+        """The caches a walk reads besides the roots (given: the others in scope; else all of
+        them), whether each root is a server's kept cache (``caches.py``: their arrays are under
+        sites of their own), and the last forward of the newest kept one."""
+        scope = self._scope
+        others = scope.others() if given else scope.members()
         kept = [False] + [scope.kept(c, step) for c in others]
         kept_since = max((scope.last_used(c, step) for c, k in zip(others, kept[1:]) if k), default=None)
+        return others, kept, kept_since
+
+    def _scan(
+        self, roots: Any, others: list[Any], kept: list[bool]
+    ) -> tuple[list[Found], list[tuple[Any, tuple]]]:
+        """Every array of the roots and the other caches, and each array's owner: its cache and
+        its steps from it (the same whether the cache is walked as part of the roots or alone,
+        as generation_ended reads every cache). Warns once of roots that hold nothing, or of a
+        walk the bounds cut."""
         result = scan_all(
             [(roots, "")] + [(c, f"<{type_name(c)}#{k}>") for k, c in enumerate(others)],
             max_objects=self.max_objects,
             max_depth=self.max_depth,
             marks=[KEPT_MARK if k else "" for k in kept],
         )
-        root_keys = [0] + [id(c) for c in others]  # ids name the other caches while they live
-        members = [None] + others
         self._empty_walks = 0 if result.found else self._empty_walks + 1
         if self._empty_walks == 3:  # a fresh cache is empty on its first step; three in a row is not
             self._warnings.once(
@@ -673,123 +711,39 @@ class Watchdog:
             self._warnings.once(
                 "cut", "mlx-watchdog: walk of the roots was bounded, not walked: %s", result.cut
             )
-        found = result.found
-        # Each array by its cache and its steps from it: the same name whether the cache is
-        # walked as part of the roots or alone (generation_ended reads every cache alone).
-        owners = [(members[f.root], f.steps) if f.root else member_of(roots, f.steps) for f in found]
-        if given:
-            self._rows.arm(found, self._epoch)
-        keys = [(id(m), steps_key(rest)) for m, rest in owners]
-        reading = self._sampler.read(found, step, root_keys, keys)
-        walked_now = reading.walked_indices
-        pending = [f for f, done in zip(found, reading.evaluated) if not done and f.root == 0]
-        self._fixer.remember_paths(found, pending)
+        members = [None] + others
+        owners = [(members[f.root], f.steps) if f.root else member_of(roots, f.steps) for f in result.found]
+        return result.found, owners
 
-        by_cache: dict[int, _CacheTally] = {}
-        sites: dict[str, SiteTally] = {}
-        kept_buffers = kept_retained = 0.0
-        kept_pending = 0
-        # id of a pending array of a cache other than the roots' -> what its graph holds: what
-        # the fix frees when it cuts it in a kept cache
-        held_by_others: dict[int, float] = {}
-        for index, (f, (member, _), key, done, retained) in enumerate(
-            zip(found, owners, keys, reading.evaluated, reading.retained)
-        ):
-            if f.root and not done:
-                held_by_others[id(f.array)] = retained
-            if kept[f.root]:
-                if done:
-                    kept_buffers += 1
-                else:
-                    kept_buffers += retained
-                    kept_retained += retained
-                    kept_pending += 1
-            cache = by_cache.get(id(member))
-            if cache is None:
-                cache = by_cache[id(member)] = _CacheTally(self._scope.ref(member))
-            site = sites.get(f.site)
-            if site is None:
-                site = sites[f.site] = SiteTally()
-            site.arrays += 1
-            site.chains.append(
-                (key, cache.ref, 0.0 if done else retained, done or walked_now is None or index in walked_now)
-            )
-            if done:
-                cache.buffers += 1
-                site.held += 1
-            else:
-                cache.buffers += retained
-                cache.retained += retained
-                site.retained += retained
-                if retained and len(site.paths) < MAX_PATHS_PER_SITE:
-                    site.paths.append(f.path)
-        del members, owners, keys
-        self._fixer.remember_kept(held_by_others)
+    def _followed(self, owners: list[tuple[Any, tuple]]) -> dict[int, weakref.ref | None]:
+        """The weak reference of each cache that owns an array, by its id (None: not followed)."""
+        refs: dict[int, weakref.ref | None] = {}
+        for member, _ in owners:
+            if id(member) not in refs:
+                refs[id(member)] = self._scope.ref(member)
+        return refs
 
-        cache_buffers = reading.evaluated_arrays
-        retained_buffers = reading.retained_buffers
-        # The compiled functions' cache entries (compiled.py): process-wide, held outside any
-        # cache. Not in a probe's reading: the fix cuts none of them.
-        compiled_buffers = 0
-        for compiled_site, (buffers, entries) in compiled.tallies().items():
-            compiled_buffers += buffers
-            if probe is None:
-                sites[compiled_site] = SiteTally(held=buffers, arrays=entries)
-        mlx_cached = 0
-        resident = walked = self._parameter_buffers + cache_buffers + retained_buffers + compiled_buffers
-        counter = self._counter
-        if isinstance(counter, BufferCounter):  # MLX's own count: live buffers grow, cached ones are reserved
-            live, mlx_cached = counter.read()
-            resident = walked = float(live)
-        elif counter is not None:  # the process count: what it holds beyond the caches, and its growth
-            resident = counter.reading(step, walked)
-        sample = None
-        if found:  # an empty cache is no sample of growth
-            sample = walked
-            if self.fix and self._fixer.fixed_once and not isinstance(counter, BufferCounter):
-                # The fix cuts what pending graphs retain (a sawtooth of height fix_every x
-                # rate): the growth to forecast is what it leaves behind.
-                sample = walked - retained_buffers + reading.pending_arrays
-                kept_buffers += kept_pending - kept_retained
+    def _record(self, reading: Reading, probe: Probe | None, given: bool) -> None:
+        """The reading into the growth and the leak sites, and kept as the last one."""
+        step = reading.step
         # The first reading of a new decode pairs with no other (-1 is no epoch): see schedule.py.
         epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
         fixing = self.fix and self._fixer.fixed_once
         with self._lock:
-            self._growth.record(
-                step,
-                epoch,
-                sites,
-                sample,
-                probe,
-                fixing,
-                kept=kept_buffers if found else None,
-                kept_since=kept_since,
-            )
+            self._growth.record(reading, epoch, probe, fixing)
             self._growth.update_leaks(fixing)
-            self._last = _LastReading(
-                step,
-                resident,
-                cache_buffers,
-                int(round(retained_buffers)),
-                int(round(reading.pending_nodes)),
-                reading.sampled,
-                tuple(cache for cache in by_cache.values() if cache.ref is not None),
-                mlx_cached,
-                reading.pending_arrays,
-                self._fixer.last_step,
-            )
+            self._last = reading
             self.walks += 1
             if given and self._growth.known:  # a decode step's reading measured the growth
                 self._held_stop = None
-        # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
-        self._attribution.consider(self._growth.leaks, found, [roots] + others)
-        self._schedule.walked(step, clock.wall() - t0, graph.cpu_clock() - cpu0)
+
+    def _call_back(self) -> None:
+        """``on_forecast`` with the forecast of the reading just taken; its errors are counted."""
         if self.on_forecast is not None:
             try:
                 self.on_forecast(self.forecast())
             except Exception as exc:
                 self.record_internal_error("on_forecast callback", exc)
-        return [(f.site, f.array) for f in pending]
 
     def _fix(
         self, roots: Any, walked_pending: list[tuple[str, mx.array]] | None, step: int, sweep: bool = False
@@ -927,15 +881,8 @@ class Watchdog:
     def _forget_freed(self, freed: dict[int, float]) -> None:
         """The fix cut chains of kept caches (by id, the buffers it freed): out of the last
         reading, and of those caches' tallies (they would leave twice when the caches die)."""
-        total = sum(freed.values())
-        self.reclaimed_buffers += total
-        for cache in self._last.by_cache:
-            member = cache.ref() if cache.ref is not None else None
-            cut = freed.get(id(member), 0.0) if member is not None else 0.0
-            if cut:
-                cache.buffers = max(0.0, cache.buffers - cut)
-                cache.retained = max(0.0, cache.retained - cut)
-        self._last = dataclasses.replace(self._last, resident=self._last.resident - total)
+        self.reclaimed_buffers += sum(freed.values())
+        self._last = self._last.less_freed(freed)
 
     def _reset_series(self) -> None:
         """Forget the growth measured so far. The last reading of what is resident stays: those
@@ -950,17 +897,7 @@ class Watchdog:
         last = self._last
         gone = self._gone
         if gone.reading is not last or gone.version != self._scope.version:  # a cache died since: recount
-            caches = last.by_cache
-            dead = [cache for cache in caches if cache.ref is None or cache.ref() is None]
-            chains = sum(cache.retained for cache in caches)
-            dead_chains = sum(cache.retained for cache in dead)
-            if chains:
-                alive_share = 1.0 - dead_chains / chains
-            else:
-                alive_share = float(len(dead) < len(caches) or not caches)
-            gone = self._gone = _Gone(
-                last, self._scope.version, sum(cache.buffers for cache in dead), alive_share
-            )
+            gone = self._gone = _Gone(last, self._scope.version, *last.gone())
         # The growth since goes on in the caches that live: with a cache gone, so is its share.
         growth = max(0.0, self._growth.rate) * (step - last.step) * gone.alive_share
         growth += self._outside_rate() * (step - last.step)  # and outside them, in the process
