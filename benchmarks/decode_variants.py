@@ -336,8 +336,8 @@ class Decode:
         would include the other variants' turns and grant it extra budget: move its clocks
         forward by the time it sat out, as if it had run alone. (A private attribute of the
         core: benchmark only.)"""
-        if self.wd is not None and math.isfinite(self.wd._last_observe):
-            self.wd._last_observe += time.perf_counter() - self._paused_at
+        if self.wd is not None and math.isfinite(self.wd._pace.last):  # its step clock's last step
+            self.wd._pace.last += time.perf_counter() - self._paused_at
 
     def live_cache(self):
         return self.cache if self.path == "plain" else self.gen._generation_batch.prompt_cache

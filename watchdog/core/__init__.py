@@ -14,6 +14,9 @@ never the reverse.
   ``reading.py`` turns what a walk found into a value, a ``Reading`` (by cache, by site, what is
   resident, kept and pending), by arithmetic alone;
   ``allocator.py`` settles the C allocator's deferred work before a walk is timed.
+* The watchdog's parts: ``counters.py`` (its public counters, in one object), ``pace.py`` (the
+  step clock: when the steps came, their rate, idleness), ``epochs.py`` (the sets of live caches,
+  and the roots of the last step).
 * Over time: ``schedule.py`` (when to walk, within the budget), ``growth.py`` (readings ->
   rate and leak sites), ``forecast.py`` (robust slopes, the step and time of the limit),
   ``attribution.py`` (the source line that rebinds a leaking attribute).

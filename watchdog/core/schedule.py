@@ -92,6 +92,7 @@ REFRESH_SHARE = 0.25
 # The interval walk the budget cannot pay for waits, but at most this many times its interval
 # (the reading of a steady decode, whose growth the forecast extrapolates meanwhile).
 STALE_STRETCH = 4
+MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
 # What the next walk will cost: the median of the last few. One walk descheduled on a loaded
 # machine (150 ms against 5) would otherwise hold every walk back until the decode had earned it.
 COST_WINDOW = 5
@@ -242,9 +243,23 @@ class Schedule:
         self.wake_decode = math.inf
         self._arm()
 
+    def stepped(self, gap: float) -> None:
+        """A step came ``gap`` seconds after the last one: decode time, the gap capped at
+        ``MAX_STEP_SECONDS`` so that idle time (a server between requests, a program doing other
+        work) banks no walking budget. (Every step: kept cheap.)"""
+        self.decode_seconds += gap if gap < MAX_STEP_SECONDS else MAX_STEP_SECONDS
+
     def charge(self, seconds: float) -> None:
-        """The watchdog's own seconds, against the budget. (``observe`` inlines this: every step.)"""
+        """The watchdog's own seconds, against the budget. (Every step: kept cheap.)"""
         self.spent += seconds
+
+    def set_overhead_budget(self, overhead_budget: float) -> None:
+        """Another overhead budget, from now on."""
+        self.overhead_budget = overhead_budget
+
+    def set_walk_interval(self, walk_interval: float | None) -> None:
+        """Another walk interval, from the next walk on."""
+        self.walk_interval = walk_interval
 
     def charge_fix(self, seconds: float) -> None:
         """Of the seconds charged, those the fix took (``observe`` has charged them already)."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -37,8 +36,10 @@ from .arrays import Found, scan_all, steps_key
 from .attribution import Attribution
 from .caches import KEPT_MARK, Scope, member_of
 from .coordination import Coordinator, launched, new_coordinator
+from .counters import Counters, PartAttribute
+from .epochs import Epochs
 from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
-from .growth import SAMPLE_WINDOW, Growth
+from .growth import Growth
 from .limits import BufferCounter, find_buffer_counter, resolve_limit, unseen_margin
 from .objects import type_name
 from .options import (
@@ -48,6 +49,7 @@ from .options import (
     checked_positive_int,
     checked_walk_interval,
 )
+from .pace import IDLE_SECONDS, StepClock
 from .process_count import ProcessCounter
 from .process_count import counter as process_counter
 from .reading import Reading, read
@@ -58,8 +60,6 @@ from .schedule import FIX_STRETCH, ROUTINE_SHARE, Schedule
 
 logger = logging.getLogger("mlx_watchdog")
 
-MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
-IDLE_SECONDS = 3.0  # no step for this long (or 8 typical steps, if longer) is idle: nothing grows
 DEFAULTS = WatchdogOptions()
 
 _live: weakref.WeakSet[Watchdog] = weakref.WeakSet()
@@ -71,6 +71,16 @@ def live_watchdogs(*, unexported: bool = False) -> list[Watchdog]:
     ``unexported=True``: every live watchdog."""
     with _live_lock:
         return [wd for wd in list(_live) if unexported or wd.export]
+
+
+def _buffer_counter(process_count: bool | str) -> tuple[BufferCounter | ProcessCounter | None, str | None]:
+    """The count of live buffers a watchdog reads: MLX's own, where it has one (Metal); else the
+    process count (``process_count.py``), where it is on. With why the process count is not read
+    (None while it is)."""
+    counter = find_buffer_counter()
+    if counter is not None:
+        return counter, f"MLX's own counter is read ({counter.name})"
+    return process_counter(process_count)
 
 
 @runtime_checkable
@@ -165,14 +175,9 @@ class Watchdog:
             process_count=process_count,
         )
         self.limit = resolve_limit(options.limit)
-        # MLX's own count, where it has one (Metal); else the process count (process_count.py)
-        self._counter: BufferCounter | ProcessCounter | None = find_buffer_counter()
         # Why the process count is not read (None while it is): the counter, whoever's it is.
-        self.process_count_off: str | None = None
-        if self._counter is not None:
-            self.process_count_off = f"MLX's own counter is read ({self._counter.name})"
-        else:
-            self._counter, self.process_count_off = process_counter(options.process_count)
+        self.process_count_off: str | None
+        self._counter, self.process_count_off = _buffer_counter(options.process_count)
         self._unseen = unseen_margin(self._counter)
         self._name = options.name  # None: "default", until an attachment names it after its model
         self.fix = options.fix
@@ -183,22 +188,9 @@ class Watchdog:
         self.max_objects = options.max_objects
         self.max_depth = options.max_depth
 
-        # Counters (monotonic; read by exporters at scrape time).
-        self.steps = 0
-        self.overhead_seconds = 0.0
-        self.materialized_arrays = 0
-        # Pending arrays the fix could not schedule (made on another thread's stream...).
-        self.fix_failures = 0
-        self.reclaimed_buffers = 0.0
-        self.internal_errors = 0
-        self.walks = 0
-        self.stops: collections.Counter[str] = collections.Counter()
+        self.counters = Counters()  # monotonic; read by exporters at scrape time
         self._last_stops: dict[str, Stop] = {}  # the last stop of each reason
         self._held_stop: Stop | None = None  # see held_stop
-        # A gap between two steps shorter than this is never idle: set by an attachment whose
-        # steps are known to be slow (a training step of several seconds: a first gap longer
-        # than IDLE_SECONDS would otherwise read as a pause, at every step).
-        self.min_idle_seconds = 0.0
 
         # What is attached to it: forecast() asks them for their readings.
         self._coordinator: Coordinator | None = None
@@ -206,20 +198,11 @@ class Watchdog:
 
         self._lock = threading.RLock()
         self._parameter_buffers = 0
-        self._last_observe = math.inf  # the first step's gap is no decode time
-        self._ended = False  # the attachment said the generation ended
-        self._stepping_thread: int | None = None
-        self._step_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=SAMPLE_WINDOW)
-        self._pace_before_pause = 0.0  # seconds per step before the last pause (_seconds_per_step)
+        self._pace = StepClock()  # when the steps came: their rate, and idleness
         self._scope = Scope()
         self._schedule = Schedule(options.overhead_budget, options.walk_interval, beats=not options.fix)
         self._sampler = Sampler()
-        self._epoch = 0
-        self._epoch_version = -1
-        self._epoch_members: tuple[weakref.ref, ...] = ()  # the caches of the current epoch
-        # Identity of the last roots: the same caches skip the scope.
-        self._root_ids: tuple[int, ...] | None = None
-        self._anchor_ref: weakref.ref | None = None  # their first cache: dead, the ids may be reused
+        self._epochs = Epochs()  # the sets of live caches, and the roots of the last step
         # A batch filtered or extended in place (the same caches, other rows) is seen by the rows
         # (first dimension) of one array of the roots, looked at every few steps (rows.py).
         self._rows = RowsWatch()
@@ -230,22 +213,23 @@ class Watchdog:
         self._gone = _Gone()
         self._empty_walks = 0
         self._reset_series()
-        if model is not None:
-            self.count_parameters(model)
-        try:  # one-off costs (the walker thread, MLX's first export, numpy's median) are paid now
-            warm_up()
-        except Exception as exc:
-            self.record_internal_error("warm_up", exc)
-        with _live_lock:
-            _live.add(self)
-        try:  # an instrumented distributed job gives it a coordinator (coordination.py)
-            coordinator = new_coordinator(self)
-            if coordinator is not None:
-                self.coordinator = coordinator
-        except Exception as exc:
-            self.record_internal_error("coordinator", exc)
+        self._start(model)
 
     # ----------------------------------------------------------------- public API
+
+    # The counters (``counters.py``), each also an attribute of the watchdog.
+    steps = PartAttribute[int]("counters")
+    walks = PartAttribute[int]("counters")
+    overhead_seconds = PartAttribute[float]("counters")
+    materialized_arrays = PartAttribute[int]("counters")
+    fix_failures = PartAttribute[int]("counters")
+    reclaimed_buffers = PartAttribute[float]("counters")
+    internal_errors = PartAttribute[int]("counters")
+    stops = PartAttribute[collections.Counter[str]]("counters")
+    # A gap between two steps shorter than this is never idle: set by an attachment whose steps
+    # are known to be slow (a training step of several seconds: a first gap longer than
+    # IDLE_SECONDS would otherwise read as a pause, at every step).
+    min_idle_seconds = PartAttribute[float]("_pace")
 
     @property
     def name(self) -> str:
@@ -267,7 +251,7 @@ class Watchdog:
 
     @overhead_budget.setter
     def overhead_budget(self, value: float) -> None:
-        self._schedule.overhead_budget = checked_fraction(value, "overhead_budget")
+        self._schedule.set_overhead_budget(checked_fraction(value, "overhead_budget"))
 
     @property
     def fix_every(self) -> int:
@@ -283,7 +267,7 @@ class Watchdog:
 
     @walk_interval.setter
     def walk_interval(self, value: float | None) -> None:
-        self._schedule.walk_interval = checked_walk_interval(value)
+        self._schedule.set_walk_interval(checked_walk_interval(value))
 
     @property
     def coordinator(self) -> Coordinator | None:
@@ -331,7 +315,7 @@ class Watchdog:
             tree_flatten(params, destination=flat)
             arrays = {id(a): a for _, a in flat if isinstance(a, mx.array)}
             self._parameter_buffers = len(arrays)
-            if self.walks == 0:  # nothing read yet: the parameters are what is known to be resident
+            if self.counters.walks == 0:  # nothing read yet: the parameters are what is known to be resident
                 self._last = Reading(resident=float(self._parameter_buffers))
         except Exception as exc:
             self.record_internal_error("count_parameters", exc)
@@ -357,27 +341,26 @@ class Watchdog:
             self.record_internal_error("observe", exc)
         finally:  # self._charge(start), inlined: this runs on every step
             spent = clock.wall() - start
-            self.overhead_seconds += spent
-            self._schedule.spent += spent
+            self.counters.overhead_seconds += spent
+            self._schedule.charge(spent)
 
     def generation_ended(self) -> None:
         """Say that nothing steps for now (a generation ended, a server has no request): the
         forecast reads not decoding at once, instead of after ``IDLE_SECONDS``. Call it on the
         thread that ran the steps (the attachment points do): it reads the caches that are still
         alive once more, when the budget allows, so what stays resident is what they hold now."""
-        if self._ended:
+        if not self._pace.end():  # it had ended already
             return
-        self._ended = True
         start = clock.wall()
         try:
             self._attribution.finish()  # a probe still attached gives its class back now
             # Only on the thread that stepped (a generator closed by the garbage collector may end
             # anywhere): MLX's graph is not read beside a thread that may be changing it.
             routine = self._schedule.affordable(share=ROUTINE_SHARE)  # a level, no growth to measure
-            if self.walks and routine and threading.get_ident() == self._stepping_thread:
-                if self._scope.version != self._epoch_version:
-                    self._new_epoch(self.steps)
-                self._walk(None, self.steps)  # every live cache
+            if self.counters.walks and routine and threading.get_ident() == self._pace.thread:
+                if self._scope.version != self._epochs.version:
+                    self._new_epoch(self.counters.steps)
+                self._walk(None, self.counters.steps)  # every live cache
                 self._fixer.forget_paths()  # they are the roots' paths
         except Exception as exc:
             self.record_internal_error("generation_ended", exc)
@@ -387,7 +370,7 @@ class Watchdog:
     def forecast(self) -> fc.Forecast:
         """The current forecast (thread-safe; cheap: no graph walk)."""
         with self._lock:
-            step = self.steps
+            step = self.counters.steps
             growth, last = self._growth, self._last
             rate = growth.rate + self._outside_rate()
             resident = self._resident_now(step)
@@ -396,7 +379,7 @@ class Watchdog:
             reserved = self._reserved()
             stl = fc.steps_to_limit(peak + reserved, self.limit, rate)
             decoding = self.decoding()
-            step_rate = self._step_rate() if decoding else 0.0
+            step_rate = self._pace.step_rate() if decoding else 0.0
             rank, world_size = self._ranks()
             guard = self._prefill_guard
             leaks = compiled.annotate(self._attribution.annotate(growth.leaks))
@@ -435,15 +418,13 @@ class Watchdog:
 
     def decoding(self) -> bool:
         """Is anything stepping? False after ``generation_ended()`` or an idle gap."""
-        if self._ended or self._last_observe == math.inf:
-            return False
-        return clock.wall() - self._last_observe <= self._idle_seconds()
+        return self._pace.stepping()
 
     def reset(self) -> None:
         """Forget the growth measured so far (a new generation starts); what is resident stays."""
         with self._lock:
             self._reset_series()
-        self._epoch_version = -1
+        self._epochs.forget()
 
     def record_stop(self, reason: str, forecast: fc.Forecast | None = None) -> Stop:
         """Count a stop and keep the forecast that caused it (default: the forecast now): see
@@ -453,7 +434,7 @@ class Watchdog:
         stop = Stop(reason, forecast, clock.now())
         rank = self.rank
         with self._lock:
-            self.stops[reason] += 1
+            self.counters.stops[reason] += 1
             self._last_stops[reason] = stop
             if forecast.rate_known and forecast.rank == rank:  # a measured forecast, of this process
                 self._held_stop = stop
@@ -476,8 +457,8 @@ class Watchdog:
     def record_internal_error(self, where: str, exc: BaseException) -> None:
         """Count and log an error caught on the watchdog's behalf (the decode goes on)."""
         with self._lock:
-            self.internal_errors += 1
-            count = self.internal_errors
+            self.counters.internal_errors += 1
+            count = self.counters.internal_errors
         if count <= 3 or count % 1000 == 0:
             logger.warning(
                 "mlx-watchdog internal error #%d in %s: %r (the decode goes on)",
@@ -490,12 +471,33 @@ class Watchdog:
     def record_overhead(self, seconds: float) -> None:
         """Seconds of the watchdog's work outside ``observe`` (the prefill guard's walks): in
         ``overhead_seconds``, not against the walks' budget."""
-        self.overhead_seconds += seconds
+        self.counters.overhead_seconds += seconds
 
     def __repr__(self) -> str:
-        return f"Watchdog(name={self.name!r}, limit={self.limit}, fix={self.fix}, steps={self.steps})"
+        return (
+            f"Watchdog(name={self.name!r}, limit={self.limit}, fix={self.fix}, steps={self.counters.steps})"
+        )
 
     # ----------------------------------------------------------------- the step
+
+    def _start(self, model: Any) -> None:
+        """Count the model's parameters, pay the one-off costs now (the walker thread, MLX's first
+        export, numpy's median), join the live watchdogs, and take the coordinator an
+        instrumented distributed job gives it (coordination.py)."""
+        if model is not None:
+            self.count_parameters(model)
+        try:
+            warm_up()
+        except Exception as exc:
+            self.record_internal_error("warm_up", exc)
+        with _live_lock:
+            _live.add(self)
+        try:
+            coordinator = new_coordinator(self)
+            if coordinator is not None:
+                self.coordinator = coordinator
+        except Exception as exc:
+            self.record_internal_error("coordinator", exc)
 
     def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float) -> None:
         # Every decode step runs this, just after the forward left the CPU's caches cold, where
@@ -508,29 +510,29 @@ class Watchdog:
             ids = (id(roots), len(roots), id(anchor), id(roots[len(roots) // 2]), id(roots[-1]))
         else:
             anchor, ids = roots, (id(roots),)
-        anchor_ref = self._anchor_ref
+        epochs = self._epochs
+        anchor_ref = epochs.anchor_ref
         if (
-            ids != self._root_ids or (anchor_ref is not None and anchor_ref() is not anchor)
+            ids != epochs.root_ids or (anchor_ref is not None and anchor_ref() is not anchor)
         ) and not self._follow(roots, ids, anchor, prefill):
             return
         # Written by the decode thread alone, without the lock: a reader racing a step sees
         # the step count before or after it.
-        gap = start - self._last_observe
+        pace = self._pace
+        gap = start - pace.last
         schedule = self._schedule
         if gap > 0:
-            # Decode time: the gaps between steps, each capped, so idle time (a server between
-            # requests, a program doing other work) does not bank walking budget. (The schedule's
-            # field, added to here rather than through a call: every step.)
-            schedule.decode_seconds += gap if gap < MAX_STEP_SECONDS else MAX_STEP_SECONDS
-        if self._ended or (gap > IDLE_SECONDS and gap > self._idle_seconds()):
+            schedule.stepped(gap)  # decode time
+        if pace.ended or (gap > IDLE_SECONDS and gap > pace.idle_seconds()):
             self._resume()  # after idle: a new epoch (a new decode if none of the caches lives on)
-        self._last_observe = start
-        step = self.steps = self.steps + 1
-        self._step_times.append((step, start))
-        self._stepping_thread = threading.get_ident()
+        pace.last = start
+        counters = self.counters
+        step = counters.steps = counters.steps + 1
+        pace.times.append((step, start))
+        pace.thread = threading.get_ident()
         if not step % ROWS_EVERY and self._rows.probe is not None and self._rows.changed(roots, step):
             self._scope.changed()
-        if self._scope.version != self._epoch_version:
+        if self._scope.version != epochs.version:
             self._new_epoch(step)
 
         # In fix mode a walk that saw a pending graph starts a probe (fix.py), a second walk 1-3
@@ -570,21 +572,22 @@ class Watchdog:
     def _follow(self, roots: Any, ids: tuple[int, ...], anchor: Any, prefill: bool) -> bool:
         """Other roots than last step's: their caches join the scope. False when this forward is
         no step (a prompt filling other caches beside the running decode)."""
-        if prefill and self._root_ids is not None and not self._scope.current(anchor):
+        if prefill and self._epochs.root_ids is not None and not self._scope.current(anchor):
             # A prompt filling its own caches (BatchGenerator does that before they join the
             # batch): they hold buffers, so they are read; but the decode being followed goes on.
             # Its ids are not kept, or its next chunk would pass for a step of that decode.
-            self._scope.add(roots, self.steps)
+            self._scope.add(roots, self.counters.steps)
             return False
-        self._scope.follow(roots, self.steps + 1)  # the step this forward is
-        before, self._root_ids = self._root_ids, ids
+        self._scope.follow(roots, self.counters.steps + 1)  # the step this forward is
+        anchor_ref: weakref.ref | None = None
+        try:  # arrays are rebound every step, and some objects take no weak reference
+            anchor_ref = None if issubclass(type(anchor), mx.array) else weakref.ref(anchor)
+        except TypeError:
+            pass
+        before = self._epochs.follow(ids, anchor_ref)
         self._fixer.forget_paths()
         if before is None or before[1:] != ids[1:]:  # other caches (not a list made anew each step)
             self._rows.forget()  # armed again by the next walk (a look of its own cost ~1 ms a join)
-        try:  # arrays are rebound every step, and some objects take no weak reference
-            self._anchor_ref = None if issubclass(type(anchor), mx.array) else weakref.ref(anchor)
-        except TypeError:
-            self._anchor_ref = None
         return True
 
     def _new_epoch(self, step: int) -> None:
@@ -592,15 +595,14 @@ class Watchdog:
         While some caches go on (a request joined a busy batch), the growth measured so far still
         holds, and so do the readings toward it; when none does, this is a new decode, measured
         afresh."""
-        continuing = any(ref() is not None for ref in self._epoch_members)
-        if self._epoch_members and not continuing:
+        epochs = self._epochs
+        continuing = epochs.continuing()
+        if epochs.members and not continuing:
             self.reset()
         # A probe measures what steps add to one set of caches: across a change it would read the
         # change (a batch rebuilt shorter reads as a chain the program drains: no leak to cut).
         self._fixer.cancel_probe()
-        self._epoch += 1
-        self._epoch_members = self._scope.refs()
-        self._epoch_version = self._scope.version
+        epochs.start(self._scope.refs(), self._scope.version)
         # A busy batch changes every second or so: were the growth forgotten at a change while it
         # is still unknown, it would never be read (each change would start a new decode).
         self._schedule.new_epoch(step, continuing=continuing, measured=self._growth.known)
@@ -609,10 +611,8 @@ class Watchdog:
         """The first step after idle starts a new epoch: a new generation is measured afresh when
         none of the caches before the pause lives on (``_new_epoch``); a batch that goes on keeps
         its growth."""
-        self._ended = False
-        self._pace_before_pause = self._seconds_per_step()
-        self._step_times.clear()  # the idle gap is no step time
-        self._epoch_version = -1
+        self._pace.resume()  # the idle gap is no step time
+        self._epochs.forget()
 
     def _walk(self, roots: Any, step: int, probe: Probe | None = None) -> list[tuple[str, mx.array]]:
         """Read every live cache (``roots`` and the others; None: no roots, only the caches
@@ -624,7 +624,7 @@ class Watchdog:
         others, kept, kept_since = self._walk_scope(step, given)
         found, owners = self._scan(roots, others, kept)
         if given:
-            self._rows.arm(found, self._epoch)
+            self._rows.arm(found, self._epochs.number)
         keys = [(id(m), steps_key(rest)) for m, rest in owners]
         measured = self._sampler.read(found, step, [0] + [id(c) for c in others], keys)
         pending = [f for f, done in zip(found, measured.evaluated) if not done and f.root == 0]
@@ -727,13 +727,13 @@ class Watchdog:
         """The reading into the growth and the leak sites, and kept as the last one."""
         step = reading.step
         # The first reading of a new decode pairs with no other (-1 is no epoch): see schedule.py.
-        epoch = -1 if self._schedule.first_of_decode(step) else self._epoch
+        epoch = -1 if self._schedule.first_of_decode(step) else self._epochs.number
         fixing = self.fix and self._fixer.fixed_once
         with self._lock:
             self._growth.record(reading, epoch, probe, fixing)
             self._growth.update_leaks(fixing)
             self._last = reading
-            self.walks += 1
+            self.counters.walks += 1
             if given and self._growth.known:  # a decode step's reading measured the growth
                 self._held_stop = None
 
@@ -785,7 +785,7 @@ class Watchdog:
             self._schedule.charge_fix(clock.wall() - fix_started)
         if failed:
             with self._lock:
-                self.fix_failures += failed
+                self.counters.fix_failures += failed
             self._warnings.once(
                 "fix",
                 "mlx-watchdog: the fix could not schedule %d pending arrays (counted in "
@@ -798,9 +798,9 @@ class Watchdog:
             growth = self._growth
             # What the cut chains would have kept: the growth the probes measured, per step.
             per_step = growth.probed if growth.probed is not None else max(0.0, growth.rate)
-            self.materialized_arrays += len(pending) - failed
+            self.counters.materialized_arrays += len(pending) - failed
             if len(pending) > len(kept):
-                self.reclaimed_buffers += per_step * (step - fixer.last_step)
+                self.counters.reclaimed_buffers += per_step * (step - fixer.last_step)
             if freed:  # freed now, and out of the reading until the next walk (kept caches do not grow back)
                 self._forget_freed(freed)
             if fixer.ran(step):  # the series' first fix
@@ -881,15 +881,17 @@ class Watchdog:
     def _forget_freed(self, freed: dict[int, float]) -> None:
         """The fix cut chains of kept caches (by id, the buffers it freed): out of the last
         reading, and of those caches' tallies (they would leave twice when the caches die)."""
-        self.reclaimed_buffers += sum(freed.values())
+        self.counters.reclaimed_buffers += sum(freed.values())
         self._last = self._last.less_freed(freed)
 
     def _reset_series(self) -> None:
         """Forget the growth measured so far. The last reading of what is resident stays: those
         buffers are still held (a finished request's chains until its caches die)."""
         self._growth = Growth()
-        self._last = dataclasses.replace(self._last, step=self.steps)  # nothing is extrapolated past it
-        self._fixer.reset(self.steps)
+        self._last = dataclasses.replace(
+            self._last, step=self.counters.steps
+        )  # nothing is extrapolated past it
+        self._fixer.reset(self.counters.steps)
         self._sampler.forget()  # what it walked before names other arrays now
         self._empty_walks = 0
 
@@ -924,35 +926,14 @@ class Watchdog:
             return coordinator.rank, coordinator.world_size
         return launched()
 
-    def _seconds_per_step(self) -> float:
-        """Over the steps since the last pause; until two are seen, the pace before it."""
-        times = self._step_times
-        if len(times) >= 2:
-            (s0, t0), (s1, t1) = times[0], times[-1]
-            if t1 > t0:
-                return (t1 - t0) / (s1 - s0)
-        return self._pace_before_pause
-
-    def _idle_seconds(self) -> float:
-        # A slow decode (a big model on a slow host) is not idle between its steps.
-        return max(IDLE_SECONDS, 8 * self._seconds_per_step(), self.min_idle_seconds)
-
-    def _step_rate(self) -> float:
-        if len(self._step_times) < 2:
-            return 0.0
-        (s0, t0), (s1, t1) = self._step_times[0], self._step_times[-1]
-        if t1 <= t0:
-            return 0.0
-        return (s1 - s0) / (t1 - t0)
-
     def _charge(self, start: float) -> None:
         """The watchdog's own time since ``start``: in its overhead and against its budget."""
         spent = clock.wall() - start
-        self.overhead_seconds += spent
+        self.counters.overhead_seconds += spent
         self._schedule.charge(spent)
 
     def _disown(self, seconds: float) -> None:
         """Seconds spent inside ``observe`` on the program's work, not the watchdog's
         (``allocator.py``): out of its overhead and its budget (``observe`` adds its whole time)."""
-        self.overhead_seconds -= seconds
+        self.counters.overhead_seconds -= seconds
         self._schedule.refund(seconds)
