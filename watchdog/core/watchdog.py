@@ -964,15 +964,20 @@ class Watchdog:
         growth = max(0.0, self._growth.rate) * (step - last.step) * gone.alive_share
         growth += self._outside_rate() * (step - last.step)  # and outside them, in the process
         fixer, cut = self._fixer, self._growth.probed
-        if self.fix and fixer.fixed_once and cut:
+        if self.fix and fixer.fixed_once:
+            cut_chains = max(0.0, last.retained - last.pending_arrays)  # what the next fix cuts of it
+            if cut is None:  # no probe yet: the chains' growth since the fix before the reading
+                cut = cut_chains / (last.step - last.fixed_at) if last.step > last.fixed_at else 0.0
             # Between two fixes the chains it cuts grow back (a sawtooth, up to 4x fix_every steps
-            # high when the budget spaces the fixes): as high now as the steps since the last fix
-            # made them, against as high as they were at the reading. A reading before the series'
-            # first fix saw chains grown since the series began, not since the fix a reset pretends
-            # (fix_every steps before it, so that the first fix comes at once): 80 buffers too low
-            # until the next walk, counted from there.
-            grown = last.step - max(last.fixed_at, fixer.series_start)
-            growth += cut * ((step - fixer.last_step) - grown) * gone.alive_share
+            # high when the budget spaces the fixes), at the rate the probes saw. A fix since the
+            # reading cut what the chains it saw retained (less the arrays it left evaluated): the
+            # reading says so, where a model of it from the probes' rate, not measured yet in a
+            # new decode, left a reading at the sawtooth's peak after the fix.
+            since = step - last.step
+            if fixer.last_step != last.fixed_at and not fixer.backlog:  # fixed after the reading
+                growth -= cut_chains * gone.alive_share
+                since = step - fixer.last_step
+            growth += cut * since * gone.alive_share
         return max(float(self._parameter_buffers), last.resident - gone.buffers + growth)
 
     def _outside_rate(self) -> float:
