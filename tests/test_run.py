@@ -696,7 +696,10 @@ def test_after_a_stop_the_merged_endpoint_keeps_its_forecast(tmp_path, model_dir
         while True:  # the stop, and then idle: nothing steps, nothing measures the growth again
             status, body = http_get(url)
             text = body.decode()
-            if by_pid(text, "mlx_watchdog_decoding", pid) == [0.0]:
+            # The program's snapshot is written every interval: one from before its decode (idle,
+            # no stop yet) may still be the one served when the stop is reported.
+            stopped = by_pid(text, "mlx_watchdog_stops_total", pid, reason="forecast") == [1.0]
+            if stopped and by_pid(text, "mlx_watchdog_decoding", pid) == [0.0]:
                 break
             assert time.monotonic() < deadline, f"never idle:\n{text}\n{log_tail(log)}"
             time.sleep(0.5)
