@@ -174,6 +174,7 @@ class Instrumentor:
 
                 training.uninstrument()
                 self._training = False
+        from ..core.live import retire
         from .model import unwatch_model, watched_state
 
         for ref, watchdog, finalizer in watched.values():
@@ -183,7 +184,7 @@ class Instrumentor:
             state = watched_state(model) if model is not None else None
             if state is not None and state.watchdog is watchdog:
                 unwatch_model(model)
-            watchdog.export = False
+            retire(watchdog)
 
     def patch(self, module: types.ModuleType) -> None:
         """Wrap ``module.load_model`` (a module of ``TARGETS``, just executed or already there)."""
@@ -289,7 +290,9 @@ class Instrumentor:
         with self._lock:
             entry = self._watched.pop(token, None)
         if entry is not None:
-            entry[1].export = False
+            from ..core.live import retire
+
+            retire(entry[1])
 
 
 # --------------------------------------------------------------------------- helpers

@@ -27,7 +27,7 @@ DEFAULTS = {name: p.default for name, p in inspect.signature(Watchdog).parameter
 def default_metrics_port() -> int:
     """The exporter's default (9464, plus the rank in a distributed job) when it is installed."""
     try:
-        from ..exporters.prometheus import default_metrics_port as exporter_default
+        from ..exporters.server import default_metrics_port as exporter_default
     except ImportError:
         return DEFAULT_METRICS_PORT
     try:
@@ -147,7 +147,7 @@ def metrics_server_options(args: argparse.Namespace) -> dict[str, Any]:
 def start_metrics(args: argparse.Namespace, **kwargs: Any) -> Any:
     """Start the metrics endpoint the flags describe (``kwargs``: more of ``start_metrics_server``'s
     options, e.g. its registry); ``UsageError`` naming the flags when it cannot start."""
-    from ..exporters.prometheus import start_metrics_server
+    from ..exporters.server import start_metrics_server
 
     try:
         return start_metrics_server(

@@ -5,6 +5,8 @@ Nothing here knows how it is attached (``mlx_watchdog.attach``), run from the co
 never the reverse.
 
 * ``watchdog.py``: ``Watchdog``: ``observe`` at each step, ``forecast``, the fix and the actions.
+  ``snapshot.py``: what the exporters read of one, at one moment; ``live.py``: the live watchdogs
+  and which of them the metrics endpoint shows.
 * Reading the caches: ``objects.py`` reads Python objects through their types only (no program
   code runs); ``arrays.py`` finds every ``mx.array`` reachable from the roots, with its path and
   site; ``caches.py`` keeps the caches followed (every live cache seen in a forward);

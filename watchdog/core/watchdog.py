@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
@@ -40,6 +41,8 @@ from .coordination import Coordinator, launched, new_coordinator
 from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth, SiteTally
 from .limits import BufferCounter, find_buffer_counter, resolve_limit, unseen_margin
+from .live import LIVE
+from .live import live_watchdogs as live_watchdogs  # its home before live.py
 from .objects import type_name
 from .options import (
     checked_bool,
@@ -56,22 +59,13 @@ from .rows import EVERY as ROWS_EVERY
 from .rows import RowsWatch
 from .sampling import Sampler, warm_up
 from .schedule import FIX_STRETCH, ROUTINE_SHARE, Schedule
+from .snapshot import Snapshot
 
 logger = logging.getLogger("mlx_watchdog")
 
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
 IDLE_SECONDS = 3.0  # no step for this long (or 8 typical steps, if longer) is idle: nothing grows
 MAX_PATHS_PER_SITE = 16
-
-_live: weakref.WeakSet[Watchdog] = weakref.WeakSet()
-_live_lock = threading.Lock()
-
-
-def live_watchdogs(*, unexported: bool = False) -> list[Watchdog]:
-    """Every live watchdog created with ``export=True`` (what exporters publish by default);
-    ``unexported=True``: every live watchdog."""
-    with _live_lock:
-        return [wd for wd in list(_live) if unexported or wd.export]
 
 
 @runtime_checkable
@@ -203,7 +197,6 @@ class Watchdog:
         self.warn_within = warn_within
         self.stop_within = stop_within
         self.on_forecast = on_forecast
-        self.export = export
         self.max_objects = max_objects
         self.max_depth = max_depth
 
@@ -260,8 +253,7 @@ class Watchdog:
             warm_up()
         except Exception as exc:
             self.record_internal_error("warm_up", exc)
-        with _live_lock:
-            _live.add(self)
+        LIVE.add(self, shown=export)
         try:  # an instrumented distributed job gives it a coordinator (coordination.py)
             coordinator = new_coordinator(self)
             if coordinator is not None:
@@ -284,6 +276,19 @@ class Watchdog:
     def name_is_default(self) -> bool:
         """No name was given: an attachment names it after its model."""
         return self._name is None
+
+    @property
+    def export(self) -> bool:
+        """Shown on the metrics endpoint (``live.py`` keeps it: a retired model's watchdog, one
+        inherited through fork, are not). Set True to show it, False to retire it."""
+        return LIVE.shown(self)
+
+    @export.setter
+    def export(self, value: bool) -> None:
+        if checked_bool(value, "export"):
+            LIVE.show(self)
+        else:
+            LIVE.retire(self)
 
     @property
     def overhead_budget(self) -> float:
@@ -455,6 +460,37 @@ class Watchdog:
                 reserved_buffers=reserved,
                 bounded=self._attribution.annotate(growth.bounded),
                 peak_resident_buffers=int(round(peak)),
+            )
+
+    def snapshot(self) -> Snapshot:
+        """What the exporters show, read at once under the lock: the forecast with the counters,
+        stops and held stop of the same moment. Never raises: a forecast that fails is counted
+        (``internal_errors``) and the snapshot has none."""
+        with self._lock:
+            try:
+                forecast: fc.Forecast | None = self.forecast()
+            except Exception as exc:
+                self.record_internal_error("snapshot", exc)
+                forecast = None
+            try:
+                rank, world_size = (int(n) for n in self._ranks())
+            except Exception:
+                rank, world_size = 0, 1
+            return Snapshot(
+                name=self.name,
+                fix=self.fix,
+                rank=rank,
+                world_size=world_size,
+                forecast=forecast,
+                steps=self.steps if forecast is None else forecast.step,
+                materialized_arrays=self.materialized_arrays,
+                fix_failures=self.fix_failures,
+                reclaimed_buffers=self.reclaimed_buffers,
+                overhead_seconds=self.overhead_seconds,
+                internal_errors=self.internal_errors,
+                stops=types.MappingProxyType(dict(self.stops)),
+                last_stops=types.MappingProxyType(dict(self._last_stops)),
+                held_stop=self._held_stop,
             )
 
     def decoding(self) -> bool:
