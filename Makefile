@@ -10,7 +10,8 @@ MLX_LM_SDIST   := .cache/mlx-lm-sdist
 # and mlx-openai-server mlx-lm), in a venv of its own built by uv from PyPI (~20 s; pip ~3 min).
 MLX_031       := .venv-mlx-031
 MLX_031_PINS  := mlx==0.31.2 mlx-lm==0.31.3
-MLX_031_TESTS := tests/test_core.py tests/test_graph.py tests/test_attach.py tests/test_fix.py tests/test_readings.py tests/test_serve.py tests/test_tiny.py
+MLX_031_TESTS := tests/test_core.py tests/core/test_graph.py tests/attach/test_attach.py tests/core/test_fix.py \
+                 tests/test_readings.py tests/commands/test_serve.py tests/tiny/test_tiny.py
 
 .PHONY: demo test test-mlx-031 test-peers lint lint-imports package-tree typecheck docs docs-image system-deps sdist bench clean
 
@@ -80,7 +81,7 @@ test-mlx-031: $(MLX_031)/.installed
 test-peers: $(STAMP)
 	$(PY) tests/peers/envs.py || [ "$$CI" != true ]
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_peers.py tests/test_peers_rapid.py \
-	    tests/test_sawtooth.py::test_the_cadence_reproduced_is_mlx_vlm_s_own
+	    tests/core/test_sawtooth.py::test_the_cadence_reproduced_is_mlx_vlm_s_own
 
 # ruff (lint and format), import-linter and mypy, as configured in pyproject.toml. The last two read
 # the package through .cache/package, links that put exporters/ inside mlx_watchdog as the wheel
