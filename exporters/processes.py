@@ -186,18 +186,18 @@ class SnapshotWriter:
 
 def _remove_at_exit(ref: weakref.ref) -> None:
     writer = ref()
-    if writer is not None and not writer._closed:
+    if writer is not None and not writer._closed:  # noqa: SLF001 (this module's class)
         writer.stop(remove=True)
 
 
 def _after_fork_in_child() -> None:
     # Only this thread survives a fork: locks, the thread and the file name are the parent's.
     writers = list(_writers)
-    if any(not writer._closed for writer in writers):
+    if any(not writer._closed for writer in writers):  # noqa: SLF001 (this module's class)
         # The parent's file shows the watchdogs it had: here each only once it steps here.
         hide_inherited()
     for writer in writers:
-        writer._after_fork_in_child()
+        writer._after_fork_in_child()  # noqa: SLF001 (this module's class)
 
 
 if hasattr(os, "register_at_fork"):

@@ -93,7 +93,7 @@ class _Channel:
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         if isinstance(obj, ResourceLimitForecast):
-            self._hooks._stopped([self], obj)
+            self._hooks._stopped([self], obj)  # noqa: SLF001 (this module's class)
             return
         with self._lock:
             if obj is None or isinstance(obj, BaseException):

@@ -32,7 +32,7 @@ from mlx_watchdog.exporters.processes import ProcessesCollector, SnapshotWriter,
 from mlx_watchdog.exporters.prometheus import WatchdogCollector
 from mlx_watchdog.tiny import save_model_dir
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, for exact_buffers
 PYTHON = sys.executable
 LEAK = 5  # 8 layers, full attention every 4th: 6 linear-attention layers leak 5 buffers a step
 STEPS = 300  # decode steps before the program reports; its growth is read from step 100 on

@@ -6,7 +6,7 @@ with tests/exact_buffers.py's counter installed before anything allocates. The o
 next forward pass (synchronized, exact, with the watchdog's step count), and its JSON-lines log
 records the true count at every stop the watchdog makes.
 
-The model is the tiny random-weight qwen3_next of tests/test_serve.py (8 layers, 6 of them
+The model is the tiny random-weight qwen3_next of tests/commands/test_serve.py (8 layers, 6 of them
 linear attention): mlx-lm's ``ArraysCache.left_padding`` lazy chains leak (linear layers - 1)
 buffers per decode step of a batch, and in a busy batch they outlive every request.
 """
@@ -32,7 +32,7 @@ from test_serve import NO_EOS, STARTUP_SECONDS, Served, _linear_layers, metric
 
 from mlx_watchdog.attach import server as server_hooks
 
-LAUNCHER = Path(__file__).with_name("serve_with_oracle.py")
+LAUNCHER = Path(__file__).resolve().parents[1] / "serve_with_oracle.py"
 EXIT_NO_ORACLE = 3  # serve_with_oracle.py's status when the counter cannot be installed
 WATCHDOG = "tiny-qwen3-next"
 
@@ -51,7 +51,7 @@ REL_SLACK = 0.05
 
 
 class OracleServed(Served):
-    """``Served`` (tests/test_serve.py), started through the oracle launcher."""
+    """``Served`` (tests/commands/test_serve.py), started through the oracle launcher."""
 
     def __init__(
         self,
