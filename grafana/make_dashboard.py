@@ -241,11 +241,44 @@ NOT_GROWING = [
 
 
 def build() -> dict:
-    L = Layout()
+    """The dashboard: its panels row by row, the stops as annotations, and the variables that pick
+    the watched processes."""
+    layout = Layout()
+    forecast_row(layout)
+    buffers_row(layout)
+    memory_row(layout)
+    prefill_row(layout)
+    health_row(layout)
+    layout.newline()
+    return {
+        "annotations": stop_annotations(),
+        "description": "mlx-watchdog: buffer growth per decode step, the leaking cache attribute, and the "
+        "forecast of the buffer limit (on Metal the `[metal::malloc] Resource limit (499000) exceeded` "
+        "crash) for MLX / mlx-lm processes.",
+        "editable": True,
+        "fiscalYearStartMonth": 0,
+        "graphTooltip": 1,
+        "id": None,
+        "links": [],
+        "panels": layout.panels,
+        "refresh": "10s",
+        "schemaVersion": 39,
+        "tags": ["mlx", "mlx-watchdog", "metal", "apple-silicon"],
+        "templating": {"list": variables()},
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "title": "MLX Watchdog",
+        "uid": "mlx-watchdog",
+        "version": 1,
+        "weekStart": "",
+    }
 
-    # ------------------------------------------------------------ forecast
-    L.row("Forecast: when will the buffer limit be hit?")
-    L.add(
+
+def forecast_row(layout: Layout) -> None:
+    """When the limit will be hit, how full the buffers are, which sites leak, and the processes."""
+    layout.row("Forecast: when will the buffer limit be hit?")
+    layout.add(
         stat(
             "Steps to limit",
             "How many more decode steps (about one generated token each) this process can run before the "
@@ -265,7 +298,7 @@ def build() -> dict:
         w=6,
         h=6,
     )
-    L.add(
+    layout.add(
         stat(
             "Time to limit",
             "The same forecast in wall-clock time: steps to limit divided by the current decode step rate. "
@@ -279,7 +312,13 @@ def build() -> dict:
         w=6,
         h=6,
     )
-    usage = {
+    layout.add(buffers_used_gauge(), w=6, h=6)
+    layout.add(top_leak_sites(), w=6, h=6)
+    layout.add(processes_table(), w=24, h=5)
+
+
+def buffers_used_gauge() -> dict:
+    return {
         "type": "gauge",
         "title": "Buffers used (% of limit)",
         "description": "Resident buffers as a share of the buffer limit (Metal's resource limit, about "
@@ -310,8 +349,10 @@ def build() -> dict:
             "sizing": "auto",
         },
     }
-    L.add(usage, w=6, h=6)
-    top_sites = {
+
+
+def top_leak_sites() -> dict:
+    return {
         "type": "bargauge",
         "title": "Top leak sites (buffers per step)",
         "description": "The cache attributes (for example `ArraysCache.left_padding`) that the watchdog blames "
@@ -352,9 +393,10 @@ def build() -> dict:
             "valueMode": "color",
         },
     }
-    L.add(top_sites, w=6, h=6)
 
-    info = {
+
+def processes_table() -> dict:
+    return {
         "type": "table",
         "title": "Processes: versions and fix",
         "description": "One row per watched process (from the `mlx_watchdog_info` metric): the watchdog "
@@ -431,11 +473,12 @@ def build() -> dict:
             "showHeader": True,
         },
     }
-    L.add(info, w=24, h=5)
 
-    # ------------------------------------------------------------ buffers
-    L.row("Buffers and the lazy graph")
-    L.add(
+
+def buffers_row(layout: Layout) -> None:
+    """The buffers against the limit, their growth per step and per site, and what drives it."""
+    layout.row("Buffers and the lazy graph")
+    layout.add(
         timeseries(
             "Resident buffers vs limit",
             "Number of buffers alive in the process after each decode step (solid), against the buffer "
@@ -469,7 +512,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Growth per step",
             "Net buffers gained per decode step (the slope of the left graph), as measured by the "
@@ -484,7 +527,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Leak per site",
             "Buffers per step attributed to each cache attribute (`site`) over time, per process. Use it "
@@ -516,7 +559,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Bounded sites: peak buffers (cut by the program, no leak)",
             "Cache attributes whose lazy chains the program itself cuts now and then (it evaluates its "
@@ -537,7 +580,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Pending graph nodes",
             "Operations recorded in MLX's lazy compute graph but not yet evaluated at the end of a step. "
@@ -550,7 +593,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Fix activity: arrays materialized / buffers reclaimed / arrays failed per second",
             "What the leak fix (`mlx-watchdog serve --fix`, `Watchdog(fix=True)`) does, per second. "
@@ -583,7 +626,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Decode step rate",
             "Decode steps per second (about tokens per second per sequence): Prometheus' rate of "
@@ -597,9 +640,11 @@ def build() -> dict:
         h=8,
     )
 
-    # ------------------------------------------------------------ memory
-    L.row("Memory (bytes)")
-    L.add(
+
+def memory_row(layout: Layout) -> None:
+    """Bytes, beside the buffer count: MLX's allocator and the process's resident memory."""
+    layout.row("Memory (bytes)")
+    layout.add(
         timeseries(
             "MLX memory vs memory limit",
             "MLX's allocator, in bytes: active = memory held by live arrays; peak = highest active "
@@ -619,7 +664,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Process resident memory (RSS)",
             "Resident set size of the whole Python process as the operating system reports it: the "
@@ -640,9 +685,11 @@ def build() -> dict:
         h=8,
     )
 
-    # ------------------------------------------------------------ prefill
-    L.row("Prefill")
-    L.add(
+
+def prefill_row(layout: Layout) -> None:
+    """The last prefill's graph, and the largest chunk that stays within the limit."""
+    layout.row("Prefill")
+    layout.add(
         timeseries(
             "Prefill graph nodes",
             "Lazy graph nodes of the last multi-token (prefill) forward pass. Prefill evaluates a whole "
@@ -655,7 +702,7 @@ def build() -> dict:
         w=16,
         h=7,
     )
-    L.add(
+    layout.add(
         stat(
             "Max safe prefill tokens",
             "The largest prefill chunk, in tokens, whose lazy graph stays within the buffer limit, as "
@@ -672,9 +719,11 @@ def build() -> dict:
         h=7,
     )
 
-    # ------------------------------------------------------------ watchdog health
-    L.row("Watchdog health")
-    L.add(
+
+def health_row(layout: Layout) -> None:
+    """The watchdog itself: whether it measures, what it costs, its stops and its errors."""
+    layout.row("Watchdog health")
+    layout.add(
         stat(
             "Decoding / growth measured",
             "Decoding: 1 while decode steps are observed, 0 when none came for a few seconds or the "
@@ -702,7 +751,7 @@ def build() -> dict:
         w=6,
         h=7,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Watchdog overhead (share of decode time)",
             "Seconds spent inside the watchdog's own bookkeeping per second of wall time while decoding, "
@@ -717,7 +766,7 @@ def build() -> dict:
         w=6,
         h=7,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Stops by reason",
             "Generations the watchdog stopped, by `reason`, counted per interval (increase of "
@@ -737,7 +786,7 @@ def build() -> dict:
         w=6,
         h=7,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Internal errors",
             "Errors caught inside the watchdog itself (they are never raised into your generation), "
@@ -762,7 +811,7 @@ def build() -> dict:
         w=6,
         h=7,
     )
-    L.add(
+    layout.add(
         stat(
             'Leak sites folded into "other"',
             "How many leak sites the exporter summed into the site=\"other\" series of 'Leak per site' "
@@ -777,6 +826,11 @@ def build() -> dict:
         w=6,
         h=7,
     )
+    layout.add(last_stop_stat(), w=6, h=7)
+    layout.add(stop_leak_sites(), w=12, h=7)
+
+
+def last_stop_stat() -> dict:
     last_stop = stat(
         "Last stop",
         "How long ago the watchdog last stopped a generation before the limit, by reason "
@@ -809,7 +863,12 @@ def build() -> dict:
             ],
         }
     ]
-    L.add(last_stop, w=6, h=7)
+    return last_stop
+
+
+def stop_leak_sites() -> dict:
+    """'Top leak sites' for the forecast of the last stop of each reason."""
+    top_sites = top_leak_sites()
     stop_sites = {
         **top_sites,
         "title": "Leak sites at the last stop (buffers per step)",
@@ -828,117 +887,102 @@ def build() -> dict:
         **top_sites["fieldConfig"],
         "defaults": {**top_sites["fieldConfig"]["defaults"], "noValue": "no stop"},
     }
-    L.add(stop_sites, w=12, h=7)
-    L.newline()
+    return stop_sites
 
-    def query_var(name: str, label: str, query: str, description: str) -> dict:
-        return {
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-            "datasource": DS,
-            "definition": query,
-            "description": description,
+
+def stop_annotations() -> dict:
+    """Grafana's own annotations, and a mark where the watchdog stopped a generation."""
+    return {
+        "list": [
+            {
+                "builtIn": 1,
+                "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                "enable": True,
+                "hide": True,
+                "iconColor": "rgba(0, 211, 255, 1)",
+                "name": "Annotations & Alerts",
+                "type": "dashboard",
+            },
+            {
+                # Grafana 10.4+/11 read the query from `target`; the legacy
+                # top-level `expr` is kept for older importers.
+                "datasource": DS,
+                "enable": True,
+                "expr": STOPS_ANNOTATION,
+                "hide": False,
+                "iconColor": "orange",
+                "name": "Watchdog stops",
+                "step": "",
+                "tagKeys": "watchdog,reason",
+                "target": {"datasource": DS, "expr": STOPS_ANNOTATION, "interval": "", "refId": "Anno"},
+                "textFormat": "{{watchdog}}: generation stopped ({{reason}})",
+                "titleFormat": "watchdog stop: {{reason}}",
+                "useValueForTime": False,
+            },
+        ]
+    }
+
+
+def query_var(name: str, label: str, query: str, description: str) -> dict:
+    """A variable that picks among the values ``query`` lists, any number of them (All: `.*`)."""
+    return {
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "datasource": DS,
+        "definition": query,
+        "description": description,
+        "hide": 0,
+        "includeAll": True,
+        "allValue": ".*",
+        "label": label,
+        "multi": True,
+        "name": name,
+        "options": [],
+        "query": query,
+        "refresh": 2,
+        "regex": "",
+        "skipUrlSync": False,
+        "sort": 1,
+        "type": "query",
+    }
+
+
+def variables() -> list[dict]:
+    """Pick the data source, then the watched processes: by watchdog, instance and rank."""
+    return [
+        {
+            "current": {},
+            "description": "The Prometheus data source that scrapes the mlx-watchdog exporters.",
             "hide": 0,
-            "includeAll": True,
-            "allValue": ".*",
-            "label": label,
-            "multi": True,
-            "name": name,
+            "includeAll": False,
+            "label": "Data source",
+            "multi": False,
+            "name": "datasource",
             "options": [],
-            "query": query,
-            "refresh": 2,
+            "query": "prometheus",
+            "refresh": 1,
             "regex": "",
             "skipUrlSync": False,
-            "sort": 1,
-            "type": "query",
-        }
-
-    return {
-        "annotations": {
-            "list": [
-                {
-                    "builtIn": 1,
-                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-                    "enable": True,
-                    "hide": True,
-                    "iconColor": "rgba(0, 211, 255, 1)",
-                    "name": "Annotations & Alerts",
-                    "type": "dashboard",
-                },
-                {
-                    # Grafana 10.4+/11 read the query from `target`; the legacy
-                    # top-level `expr` is kept for older importers.
-                    "datasource": DS,
-                    "enable": True,
-                    "expr": STOPS_ANNOTATION,
-                    "hide": False,
-                    "iconColor": "orange",
-                    "name": "Watchdog stops",
-                    "step": "",
-                    "tagKeys": "watchdog,reason",
-                    "target": {"datasource": DS, "expr": STOPS_ANNOTATION, "interval": "", "refId": "Anno"},
-                    "textFormat": "{{watchdog}}: generation stopped ({{reason}})",
-                    "titleFormat": "watchdog stop: {{reason}}",
-                    "useValueForTime": False,
-                },
-            ]
+            "type": "datasource",
         },
-        "description": "mlx-watchdog: buffer growth per decode step, the leaking cache attribute, and the "
-        "forecast of the buffer limit (on Metal the `[metal::malloc] Resource limit (499000) exceeded` "
-        "crash) for MLX / mlx-lm processes.",
-        "editable": True,
-        "fiscalYearStartMonth": 0,
-        "graphTooltip": 1,
-        "id": None,
-        "links": [],
-        "panels": L.panels,
-        "refresh": "10s",
-        "schemaVersion": 39,
-        "tags": ["mlx", "mlx-watchdog", "metal", "apple-silicon"],
-        "templating": {
-            "list": [
-                {
-                    "current": {},
-                    "description": "The Prometheus data source that scrapes the mlx-watchdog exporters.",
-                    "hide": 0,
-                    "includeAll": False,
-                    "label": "Data source",
-                    "multi": False,
-                    "name": "datasource",
-                    "options": [],
-                    "query": "prometheus",
-                    "refresh": 1,
-                    "regex": "",
-                    "skipUrlSync": False,
-                    "type": "datasource",
-                },
-                query_var(
-                    "watchdog",
-                    "Watchdog",
-                    "label_values(mlx_watchdog_info, watchdog)",
-                    "The watchdog (model) name given to mlx-watchdog.",
-                ),
-                query_var(
-                    "instance",
-                    "Instance",
-                    'label_values(mlx_watchdog_info{watchdog=~"$watchdog"}, instance)',
-                    "host:port of the exporter (one per process; base port + rank in multi-rank runs).",
-                ),
-                query_var(
-                    "rank",
-                    "Rank",
-                    'label_values(mlx_watchdog_info{watchdog=~"$watchdog",instance=~"$instance"}, rank)',
-                    "Distributed rank; empty for single-process runs (All still matches them).",
-                ),
-            ]
-        },
-        "time": {"from": "now-1h", "to": "now"},
-        "timepicker": {},
-        "timezone": "browser",
-        "title": "MLX Watchdog",
-        "uid": "mlx-watchdog",
-        "version": 1,
-        "weekStart": "",
-    }
+        query_var(
+            "watchdog",
+            "Watchdog",
+            "label_values(mlx_watchdog_info, watchdog)",
+            "The watchdog (model) name given to mlx-watchdog.",
+        ),
+        query_var(
+            "instance",
+            "Instance",
+            'label_values(mlx_watchdog_info{watchdog=~"$watchdog"}, instance)',
+            "host:port of the exporter (one per process; base port + rank in multi-rank runs).",
+        ),
+        query_var(
+            "rank",
+            "Rank",
+            'label_values(mlx_watchdog_info{watchdog=~"$watchdog",instance=~"$instance"}, rank)',
+            "Distributed rank; empty for single-process runs (All still matches them).",
+        ),
+    ]
 
 
 def render() -> str:

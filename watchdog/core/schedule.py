@@ -22,13 +22,13 @@ owed walks are few. One-off costs (first calls, imports) are paid when the watch
 charged here.
 
 No reading stays stale for good, whatever spent the budget (the fix and every step's own time fill
-it in a busy ``--fix`` server, where the routine walks then never ran: a reading froze for 900
-steps while requests came and went). Two more walks are owed, sized by the walks' own CPU work, so
-that they cost a bounded share of decode whatever the budget says:
+it in a busy ``--fix`` server, where the routine walks then never ran: a reading froze while
+requests came and went). Two more walks are owed, sized by the walks' own CPU work, so that they
+cost a bounded share of decode whatever the budget says:
 
 * the caches changed since the last reading (a request joined, left, a batch changed in place):
   the walk of the change is owed once the decode since the last walk has paid for it at
-  ``REFRESH_SHARE`` of the budget (a walk of 1-2 ms of CPU on 8-30 ms steps: within 25-50 steps);
+  ``REFRESH_SHARE`` of the budget;
 * nothing changed: the interval walk is owed at ``STALE_STRETCH`` times its interval.
 
 Those are the walks the budget gives up first, and they are few: the fix, spaced out when the
@@ -54,9 +54,9 @@ BEAT_RATIO = 1.5
 BEAT_CPU_SECONDS = 0.01
 # Walks of a new decode taken even when the budget is spent now (they are charged, and the routine
 # walks after them give way): one for its level, two 16 steps apart for its rate. Without them a
-# server whose budget one slow walk had spent (300 ms on a loaded machine) was blind to the next
-# batch, and let requests run past the limit. The first step's reading is no point of the growth:
-# what the prompt's last forward left pending is still there then.
+# server whose budget one slow walk had spent was blind to the next batch, and let requests run
+# past the limit. The first step's reading is no point of the growth: what the prompt's last
+# forward left pending is still there then.
 OWED_OFFSETS = (0, 16, 32)
 # A busy batch that changed before its growth was read: two walks owed in its new epoch, once the
 # change has settled, for the rate (a batch that changes every second would otherwise put the
@@ -75,9 +75,8 @@ AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of d
 # then this share of the budget, for themselves.
 WALK_FLOOR_SHARE = 0.1
 # A fix the budget cannot pay for now waits until it can, but at most this many times its interval
-# (fix_every): a busy server's fixes (1-4 ms of wall time each on a loaded host, ~4 a second) alone
-# took past 1% of its time. The chains it cuts grow that much longer meanwhile, a few thousand
-# buffers at the most, and a stop decision fixes first whatever the budget.
+# (fix_every): a busy server's fixes alone took it past its budget. The chains it cuts grow that
+# much longer meanwhile, and a stop decision fixes first whatever the budget.
 FIX_STRETCH = 4
 # Walks that measure a growth not known yet (a new decode's) come first: the others (the walk at
 # a change of a busy batch whose growth is known, the interval walks) leave this share of the
@@ -86,14 +85,14 @@ FIX_STRETCH = 4
 ROUTINE_SHARE = 0.75
 # The caches changed since the last reading: its walk is owed, whatever the budget, once the decode
 # since the last walk has paid for one at this share of the overhead budget (by the walks' CPU work,
-# not their wall time: a loaded machine must not make readings rarer). A busy server's changes come
-# every 10-20 steps; with the walk owed at each, its reading was never off by more than a request.
+# not their wall time: a loaded machine must not make readings rarer). Owed at each change, it keeps
+# a busy server's reading within about a request of the count.
 REFRESH_SHARE = 0.25
 # The interval walk the budget cannot pay for waits, but at most this many times its interval
 # (the reading of a steady decode, whose growth the forecast extrapolates meanwhile).
 STALE_STRETCH = 4
 # What the next walk will cost: the median of the last few. One walk descheduled on a loaded
-# machine (150 ms against 5) would otherwise hold every walk back until the decode had earned it.
+# machine would otherwise hold every walk back until the decode had earned it.
 COST_WINDOW = 5
 
 
