@@ -257,6 +257,7 @@ def test_rule_tests_cover_every_alert_firing_and_silent():
         "MLXWatchdogResourceLimitSoon",
         "MLXWatchdogResourceLimitImminent",
         "MLXWatchdogLeakSiteGrowing",
+        "MLXWatchdogUnattributedGrowth",
         "MLXWatchdogTargetAbsent",
         "MLXWatchdogCannotMeasure",
     }
