@@ -230,6 +230,9 @@ def stat(
 # mapping keyed "Infinity" replaces it with words.
 STOPS_ANNOTATION = f"sum by (watchdog, reason) (increase(mlx_watchdog_stops_total{{{SEL}}}[$__interval])) > 0"
 
+# The name 'Top leak sites' gives the growth that no site explains (the process count's).
+UNATTRIBUTED_SITE = "unattributed (outside the caches)"
+
 NOT_GROWING = [
     {"type": "value", "options": {"Infinity": {"color": "green", "index": 0, "text": "not growing"}}},
     # NaN: the growth is not measured yet (mlx_watchdog_rate_known 0), which is no "no leak".
@@ -248,6 +251,7 @@ def build() -> dict:
     buffers_row(layout)
     memory_row(layout)
     prefill_row(layout)
+    compiled_row(layout)
     health_row(layout)
     layout.newline()
     return {
@@ -359,11 +363,17 @@ def top_leak_sites() -> dict:
         "for the growth, ranked by how many buffers each one leaves alive per decode step (top 10 "
         "over the selected processes, current value). Empty means nothing is leaking unrepaired. Without "
         "the fix these are the attributes `mlx-watchdog serve --fix` / `Watchdog(fix=True)` repairs; with "
-        "it, a site it cuts is left out here (it shows dashed in 'Leak per site').",
+        f"it, a site it cuts is left out here (it shows dashed in 'Leak per site'). '{UNATTRIBUTED_SITE}' "
+        "is the growth of the whole process that no site explains (from the process count): a leak "
+        "outside the caches the watchdog reads, which the fix does not reach (see 'Growth per step: "
+        "named sites vs unattributed').",
         "datasource": DS,
         "targets": [
             target(
-                f"topk(10, max by (watchdog, site) (mlx_watchdog_leak_buffers_per_step{{{SEL}}}) > 0)",
+                "topk(10, max by (watchdog, site) ("
+                f"mlx_watchdog_leak_buffers_per_step{{{SEL}}} or label_replace("
+                f'mlx_watchdog_unattributed_buffers_per_step{{{SEL}}}, "site", "{UNATTRIBUTED_SITE}", "", "")'
+                ") > 0)",
                 legend="{{site}} ({{watchdog}})",
                 instant=True,
             )
@@ -517,7 +527,8 @@ def buffers_row(layout: Layout) -> None:
             "Growth per step",
             "Net buffers gained per decode step (the slope of the left graph), as measured by the "
             "watchdog. 0 is healthy; a steady positive value is a leak that ends in the resource-limit "
-            "crash; short spikes during prefill or cache resizing are normal.",
+            "crash; short spikes during prefill or cache resizing are normal. The panel below splits it "
+            "into the named leak sites and the growth no site explains.",
             [target(f"mlx_watchdog_buffers_per_step{{{SEL}}}")],
             "suffix:buffers/step",
             custom={"thresholdsStyle": {"mode": "line"}},
@@ -527,6 +538,7 @@ def buffers_row(layout: Layout) -> None:
         w=12,
         h=8,
     )
+    layout.add(growth_split(), w=12, h=8)
     layout.add(
         timeseries(
             "Leak per site",
@@ -641,6 +653,45 @@ def buffers_row(layout: Layout) -> None:
     )
 
 
+def growth_split() -> dict:
+    """The growth per step in two parts: the named leak sites, and what the process grows beyond them."""
+    return timeseries(
+        "Growth per step: named sites vs unattributed",
+        "The growth per step of each process in two parts. Named sites (solid): the sum of the leak "
+        "sites the watchdog names in 'Leak per site' (cache attributes, and compiled functions "
+        "`compiled:...` under `mlx-watchdog run` or `instrument()`). Unattributed (dashed): what the "
+        "whole process grows beyond them (mlx_watchdog_unattributed_buffers_per_step), read from the "
+        "process count (every buffer MLX makes and frees): a leak outside the caches the watchdog "
+        "reads, such as a server's or program's own per-step outputs kept as lazy arrays, or a function "
+        "under mx.compile fed a new input shape each step. The fix does not reach it. It reads 0 where "
+        "the process count is off (`--process-count off`, or its self-check failed: the process log "
+        "says why). MLXWatchdogUnattributedGrowth fires when it stays above 0.5 whenever it is "
+        "measured while decoding, for 10 minutes; `mlx-watchdog diagnose --model ...` then tells "
+        "whether mlx-lm's own decode of the model grows, or the program around it.",
+        [
+            target(
+                f"sum by (job, instance, pid, watchdog, rank) (mlx_watchdog_leak_buffers_per_step{{{SEL}}})",
+                legend="named sites " + LEGEND,
+                ref="A",
+            ),
+            target(
+                f"mlx_watchdog_unattributed_buffers_per_step{{{SEL}}}",
+                legend="unattributed " + LEGEND,
+                ref="B",
+            ),
+        ],
+        "suffix:buffers/step",
+        overrides=[
+            {
+                "matcher": {"id": "byFrameRefID", "options": "B"},
+                "properties": [{"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}}],
+            }
+        ],
+        minimum=0,
+        decimals=2,
+    )
+
+
 def memory_row(layout: Layout) -> None:
     """Bytes, beside the buffer count: MLX's allocator and the process's resident memory."""
     layout.row("Memory (bytes)")
@@ -718,6 +769,97 @@ def prefill_row(layout: Layout) -> None:
         w=8,
         h=7,
     )
+
+
+# The compiled functions' series are process-wide: every watchdog of a process exports the same
+# ones, so the panels drop the watchdog label and show one series per process and function.
+COMPILED_LEGEND = "{{function}} {{instance}} {{rank}} {{pid}}"
+
+
+def compiled_row(layout: Layout) -> None:
+    """mx.compile's cache entries per function: the leak of a training loop fed many shapes."""
+    layout.row("Compiled functions (mx.compile: training steps)")
+    layout.add(compiled_signatures(), w=16, h=8)
+    layout.add(compiled_share_of_limit(), w=8, h=8)
+
+
+def compiled_signatures() -> dict:
+    """Each function's signatures over time, and the buffers one of its entries keeps."""
+    return timeseries(
+        "Compiled functions: input signatures kept, buffers per entry",
+        "Solid: the input signatures (array shapes and dtypes, other arguments) each function compiled "
+        "with mx.compile keeps a cache entry for (mlx_watchdog_compiled_signatures), for as long as the "
+        "function lives; mlx-lm's trainer compiles its step (`mlx_lm.tuner.trainer.step`). Dashed, right "
+        "axis: the buffers one entry keeps, measured on its traces (mlx_watchdog_compiled_entry_buffers). "
+        "A count that levels off is fine; one that keeps climbing (a new batch length at many steps) is "
+        "a leak, named `compiled:<function>` in 'Leak per site', which the fix cannot cut: compile with "
+        "`mx.compile(..., shapeless=True)` where the function allows, or pad the inputs to a few lengths "
+        "(buckets). Counted only where `mx.compile` is instrumented (`mlx-watchdog run`, "
+        "`instrument()`), for at most the exporter's max_sites functions per process, the most "
+        "signatures first; one series per process, whichever watchdog exports it.",
+        [
+            target(
+                f"max without (watchdog) (mlx_watchdog_compiled_signatures{{{SEL}}})",
+                legend="signatures: " + COMPILED_LEGEND,
+                ref="A",
+            ),
+            target(
+                f"max without (watchdog) (mlx_watchdog_compiled_entry_buffers{{{SEL}}})",
+                legend="buffers per entry: " + COMPILED_LEGEND,
+                ref="B",
+            ),
+        ],
+        "short",
+        overrides=[
+            {
+                "matcher": {"id": "byFrameRefID", "options": "B"},
+                "properties": [
+                    {"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}},
+                    {"id": "custom.axisPlacement", "value": "right"},
+                    {"id": "custom.axisLabel", "value": "buffers per entry"},
+                ],
+            }
+        ],
+        minimum=0,
+    )
+
+
+def compiled_share_of_limit() -> dict:
+    """What each function's cache holds (signatures x buffers per entry), against the buffer limit."""
+    held = (
+        f"max without (watchdog) (mlx_watchdog_compiled_signatures{{{SEL}}} "
+        f"* mlx_watchdog_compiled_entry_buffers{{{SEL}}})"
+    )
+    limit = f"min without (watchdog) (mlx_watchdog_resource_limit_buffers{{{SEL}}})"
+    top_sites = top_leak_sites()  # the same bar gauge, of another quantity
+    return {
+        **top_sites,
+        "title": "Compiled caches: share of the buffer limit",
+        "description": "The buffers each compiled function's cache holds now (its signatures times the "
+        "buffers per entry), as a share of the process's buffer limit (Metal's resource limit, elsewhere "
+        "the configured one); top 10 over the selected processes. These buffers stay for the function's "
+        "life: a share that grows with every new input shape ends in the resource-limit crash of a "
+        "fine-tune (mlx #4464). Empty until a function compiled under `mlx-watchdog run` or "
+        "`instrument()` has kept an entry.",
+        "targets": [
+            target(
+                f"topk(10, {held} / on(job, instance, pid, rank) group_left() {limit})",
+                legend="{{function}} ({{instance}} {{rank}} {{pid}})",
+                instant=True,
+            )
+        ],
+        "fieldConfig": {
+            "defaults": {
+                **top_sites["fieldConfig"]["defaults"],
+                "decimals": 1,
+                "max": 1,
+                "noValue": "no compiled function",
+                "thresholds": thresholds((None, "green"), (0.1, "orange"), (0.5, "red")),
+                "unit": "percentunit",
+            },
+            "overrides": [],
+        },
+    }
 
 
 def health_row(layout: Layout) -> None:
