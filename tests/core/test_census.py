@@ -63,13 +63,13 @@ def clock(fake_clock, monkeypatch):
     """The watchdog's time (conftest's fake clock): each observe() STEP_SECONDS after the last, each
     census CENSUS_SECONDS of its own work, walks free."""
     fake_clock.step_each_observe(monkeypatch, STEP_SECONDS)
-    real = census.Census._discover
+    real = census.Census.discover
 
     def charged(self, found):
         fake_clock.work(CENSUS_SECONDS)
         return real(self, found)
 
-    monkeypatch.setattr(census.Census, "_discover", charged)
+    monkeypatch.setattr(census.Census, "discover", charged)
     return fake_clock
 
 
@@ -279,7 +279,20 @@ def test_an_outside_chain_evaluated_every_n_steps_is_bounded_not_a_leak(counter,
     assert wd.stops["forecast"] == 0
 
 
-class Hostile:
+class HostileMeta(type):
+    """Comparing, hashing or asking about its classes runs code that raises."""
+
+    def __eq__(cls, other):
+        raise RuntimeError("the census compared a class")
+
+    def __hash__(cls):
+        raise RuntimeError("the census hashed a class")
+
+    def __instancecheck__(cls, instance):
+        raise RuntimeError("the census ran isinstance")
+
+
+class Hostile(metaclass=HostileMeta):
     """A holder whose every hook raises: the census must read it without calling any of them."""
 
     __slots__ = ("__weakref__", "chain", "calls")
@@ -331,6 +344,22 @@ def test_a_hostile_holder_is_read_without_its_code_and_not_kept_alive(counter):
     walk.observe(cache)
     assert walk.census.sites == [] and walk.census.last.arrays == 0
     assert walk.internal_errors == 0 and walk.census.errors == 0
+
+
+def test_where_the_collector_cannot_list_the_arrays_alone_every_object_is_read(monkeypatch):
+    """The census lists the arrays through the collector's view of their class (an instance of a
+    heap type refers to it); checked once, and where that fails it reads every object instead."""
+    scheduler = Scheduler()
+    for i in range(8):
+        scheduler.step(i, mx.arange(4, dtype=mx.float32))
+    for listed in (None, False):
+        monkeypatch.setattr(census, "_referrers_list_arrays", listed)
+        c = census.Census(True)
+        assert c.discover([]) == 2
+        assert sorted(site.rsplit(".", 1)[-1] for site in c.sites) == ["history", "score"]
+        assert c.arrays >= 2
+        assert census._referrers_list_arrays is (listed is None)  # checked: it works here
+    assert census._referrers_list_arrays is False  # left as the test set it
 
 
 def test_census_takes_true_false_or_auto_and_auto_follows_the_environment(monkeypatch):

@@ -46,7 +46,7 @@ import operator
 import os
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -72,7 +72,7 @@ FIRST_STEP = 8  # the first census comes at a walk from this step on: a program'
 # starts with its first token (mlx-lm's generate_step runs the next forward before it yields one)
 MIN_STEPS = 16  # steps between two censuses, at least
 MAX_TARGETS = 64  # pending arrays looked up in one census (gc.get_referrers: its cost grows with them)
-MAX_OBJECTS = 5_000_000  # objects of the process looked at in one census; the rest are not
+MAX_OBJECTS = 5_000_000  # objects looked at where the collector cannot list the arrays alone
 MAX_HOLDINGS = 256  # attributes followed at once
 MAX_ITEMS = 4096  # items of a container attribute read for arrays; a bigger one is not read
 MAX_ATTRIBUTES = 10_000  # attributes of one holder read
@@ -157,7 +157,7 @@ class Census:
         self.seconds = 0.0  # wall time of every census (charged to the watchdog's budget)
         self.cpu_seconds = 0.0
         self.cost = 0.0  # the last census's wall time: what the next one is expected to cost
-        self.objects = 0  # objects of the process the last census looked at
+        self.arrays = 0  # arrays of the process the last census looked at
         self.targets = 0  # pending arrays it looked up
         self.unreferenced = 0  # holders it found that take no weak reference: not followed
         self.errors = 0
@@ -272,7 +272,7 @@ class Census:
     def _census(self, step: int, found: Sequence[Found]) -> None:
         started, cpu_started = clock.wall(), cpu_clock()
         try:
-            added = self._discover(found)
+            added = self.discover(found)
         finally:
             cost = clock.wall() - started
             cpu = cpu_clock() - cpu_started
@@ -283,7 +283,7 @@ class Census:
             self._next_step = step + MIN_STEPS
         if cpu > MAX_CENSUS_SECONDS:
             self.off = (
-                f"off: a census of {self.objects:,} objects took {cpu:.2f} s of CPU "
+                f"off: a census took {cpu:.2f} s of CPU ({self.arrays:,} arrays) "
                 f"(more than {MAX_CENSUS_SECONDS} s stalls the program)"
             )
             logger.warning(
@@ -292,7 +292,7 @@ class Census:
         if added:
             self._fresh = True
 
-    def _discover(self, found: Sequence[Found]) -> int:
+    def discover(self, found: Sequence[Found]) -> int:
         """One census: the holders of pending arrays outside the caches. Returns how many
         attributes it began to follow."""
         exclude = {id(f.array) for f in found}
@@ -400,57 +400,74 @@ def _array_types() -> list[type]:
     return out
 
 
-def _generations() -> Iterator[list[Any]]:
-    """Every object the collector tracks, youngest first: ``gc.get_objects`` of each generation,
-    the oldest reversed (a generation is merged at the end of the next: what was promoted last
-    comes last). A chain rebound at every step has a young head."""
+def _young_ids(kinds: tuple[type, ...]) -> set[int]:
+    """Ids of the arrays in the collector's young generations (0 and 1: a few thousand objects at
+    most), made since the last collections: a chain rebound at every step has a young head."""
+    young: set[int] = set()
+    ids = {id(k) for k in kinds}  # by id: comparing classes could run a metaclass's __eq__
     try:
-        gc.get_objects(generation=0)
-    except (TypeError, ValueError):  # a collector without those generations
-        yield gc.get_objects()
-        return
-    for generation in range(3):
-        tracked = gc.get_objects(generation=generation)
-        if generation == 2:
-            tracked.reverse()
-        yield tracked
+        for generation in (0, 1):
+            young.update(id(o) for o in gc.get_objects(generation=generation) if id(type(o)) in ids)
+    except (TypeError, ValueError):  # a collector without those generations: no order
+        pass
+    return young
+
+
+def _every_array(kinds: tuple[type, ...]) -> list[mx.array]:
+    """Every array of the process, in the collector's order (its young generations first).
+
+    An instance of a class made at run time (a heap type, as nanobind's ``mx.array`` is) refers
+    to its class, and the collector sees that reference: ``gc.get_referrers`` of the array types
+    lists every array in one pass in C. Where it does not (checked once, with an array made for
+    it), every object the collector tracks is read instead (``gc.get_objects``), and the arrays
+    picked among them by exact type in C: no ``isinstance``, which may read a ``__class__``
+    property."""
+    global _referrers_list_arrays
+    ids = {id(k) for k in kinds}  # by id: comparing or hashing classes could run a metaclass's code
+    probe = mx.array(0) if _referrers_list_arrays is None else None
+    if _referrers_list_arrays is not False:
+        held = gc.get_referrers(*kinds)
+        if probe is not None:
+            _referrers_list_arrays = any(o is probe for o in held)
+        if _referrers_list_arrays:
+            return [o for o in held if id(type(o)) in ids]
+        del held
+    everything = gc.get_objects()
+    if len(everything) > MAX_OBJECTS:
+        everything = everything[:MAX_OBJECTS]
+    if len(kinds) == 1:
+        chosen = map(operator.is_, map(type, everything), itertools.repeat(kinds[0]))
+    else:
+        chosen = map(ids.__contains__, map(id, map(type, everything)))
+    return list(itertools.compress(everything, chosen))
+
+
+_referrers_list_arrays: bool | None = None  # gc.get_referrers(mx.array) lists every array (None: not checked)
 
 
 def _pending_arrays(exclude: set[int], census: Census) -> list[mx.array]:
-    """Pending arrays of the process, youngest first, not in ``exclude`` (by id), at most
-    ``MAX_TARGETS``; at most ``MAX_OBJECTS`` objects looked at."""
-    kinds = _array_types()
-    ids = {id(k) for k in kinds}  # ints: no class's __hash__ runs
+    """Pending arrays of the process, not in ``exclude`` (by id), at most ``MAX_TARGETS``: the
+    young ones first, then the others from the most recently promoted (a generation is merged at
+    the end of the next)."""
+    kinds = tuple(_array_types())
+    young = _young_ids(kinds)
+    arrays = _every_array(kinds)
+    census.arrays = len(arrays)
+    ordered = [a for a in arrays if id(a) in young]
+    ordered += reversed([a for a in arrays if id(a) not in young])
+    del arrays
     pending: list[mx.array] = []
-    census.objects = 0
-    for everything in _generations():
-        room = MAX_OBJECTS - census.objects
-        if room <= 0:
-            break
-        if len(everything) > room:
-            everything = everything[:room]
-        census.objects += len(everything)
-        # Picked by exact type, compared in C: no isinstance (it may read a __class__ property).
-        if len(kinds) == 1:
-            chosen = map(operator.is_, map(type, everything), itertools.repeat(mx.array))
-        else:
-            chosen = map(ids.__contains__, map(id, map(type, everything)))
-        arrays = list(itertools.compress(everything, chosen))
-        del everything, chosen
-        for array in arrays:
-            if len(pending) >= MAX_TARGETS:
-                break
-            if id(array) in exclude or not objects.usable_array(array):
-                continue
-            try:
-                if is_evaluated(array):
-                    continue
-            except Exception:
-                continue
-            pending.append(array)
-        del arrays
+    for array in ordered:
         if len(pending) >= MAX_TARGETS:
             break
+        if id(array) in exclude or not objects.usable_array(array):
+            continue
+        try:
+            if is_evaluated(array):
+                continue
+        except Exception:
+            continue
+        pending.append(array)
     return pending
 
 
