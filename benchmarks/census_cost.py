@@ -181,7 +181,7 @@ def decode_part(args) -> None:
     table: dict[str, dict[tuple, tuple[float, float]]] = {v: {} for v in VARIANTS}
     cpu_table: dict[str, dict[tuple, tuple[float, float]]] = {v: {} for v in VARIANTS}
     models = {v: build_model("llama", layers=args.layers) for v in VARIANTS}
-    shares, runs, named, errors = [], [], set(), 0
+    shares, reads, runs, named, errors = [], [], [], set(), 0
     for rep in range(args.reps):
         watchdogs = {
             v: Watchdog(limit=10**6, export=False, process_count=False, census=v == "census")
@@ -212,6 +212,7 @@ def decode_part(args) -> None:
                 cpu_table[v][("run", rep, round_)] = (float(args.chunk), cpu)
         wd = watchdogs["census"]
         shares.append(wd.census.seconds / decode_seconds["census"])
+        reads.append(wd.census.read_seconds / decode_seconds["census"])
         runs.append(wd.census.runs)
         named.update(wd.census.sites)
         errors += sum(w.internal_errors + w.census.errors for w in watchdogs.values())
@@ -240,9 +241,10 @@ def decode_part(args) -> None:
                 )
     tokens_per_s = sum(t for t, _ in table["off"].values()) / sum(s for _, s in table["off"].values())
     lines.append(
-        f"\n`off` decoded {tokens_per_s:.0f} tokens/s. The census's own time: "
-        f"{', '.join(f'{100 * s:.3f}%' for s in shares)} of each repetition's decode, in "
-        f"{', '.join(map(str, runs))} censuses; sites named: {', '.join(sorted(named)) or 'none'}."
+        f"\n`off` decoded {tokens_per_s:.0f} tokens/s. Self-timed, as a share of each repetition's "
+        f"decode: the censuses {', '.join(f'{100 * s:.3f}%' for s in shares)} "
+        f"({', '.join(map(str, runs))} censuses), the readings of what they found at the walks "
+        f"{', '.join(f'{100 * s:.3f}%' for s in reads)}; sites named: {', '.join(sorted(named)) or 'none'}."
     )
     emit("\n".join(lines), args.out)
 

@@ -244,6 +244,9 @@ def test_a_leak_free_server_under_load_names_no_outside_site(counter, clock):
     for f in forecasts:
         assert not any(census.is_outside_site(leak.site) for leak in f.leaks), f.describe()
         assert "outside:" not in f.describe()
+        assert f.buffers_per_step == 0.0 and f.leaks == (), f.describe()
+    # It did look: the server's lazy value is followed (a site that does not grow), no leak.
+    assert any(site.endswith("Server.peak") for site in wd.census.sites), wd.census.sites
 
 
 WALK_STEPS = 31  # steps between two walks once the dense ones are done (0.5 s of decode)

@@ -157,6 +157,7 @@ class Census:
         self.seconds = 0.0  # wall time of every census (charged to the watchdog's budget)
         self.cpu_seconds = 0.0
         self.cost = 0.0  # the last census's wall time: what the next one is expected to cost
+        self.read_seconds = 0.0  # wall time of the readings of the attributes followed, at the walks
         self.arrays = 0  # arrays of the process the last census looked at
         self.targets = 0  # pending arrays it looked up
         self.unreferenced = 0  # holders it found that take no weak reference: not followed
@@ -190,19 +191,22 @@ class Census:
             except Exception as exc:
                 self._error("census", exc)
         self.fresh, self._fresh = self._fresh, False
+        if not self._holdings:
+            self.last = CensusReading(0.0, 0, 0)
+            return 0.0
+        started = clock.wall()
         try:
             return self._tally(step, found, sites)
         except Exception as exc:  # counted; the walk goes on without these buffers
             self._error("reading", exc)
             return 0.0
+        finally:
+            self.read_seconds += clock.wall() - started
 
     # ----------------------------------------------------------------- reading
 
     def _tally(self, step: int, found: Sequence[Found], sites: dict[str, SiteTally] | None) -> float:
         """The buffers of the attributes followed, and their sites' tallies."""
-        if not self._holdings:
-            self.last = CensusReading(0.0, 0, 0)
-            return 0.0
         arrays, owners = self._followed_arrays({id(f.array) for f in found})
         if not arrays:
             self.last = CensusReading(0.0, 0, 0)
