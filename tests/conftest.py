@@ -21,6 +21,11 @@ from support import FakeClock, exact_counter
 # tests keep an array a step of their own (tokens, log-probabilities to compare), which that count
 # reads, rightly, as growth. MLX_WATCHDOG_PROCESS_COUNT=auto make test runs them all with it.
 os.environ.setdefault("MLX_WATCHDOG_PROCESS_COUNT", "off")
+# The same for the census of the program's objects outside the caches (census=True, or this
+# variable set to auto or on, in tests/core/test_census.py): tests keep lazy arrays of their own on
+# objects (test_process_count.py's scheduler reads as unattributed growth there, on purpose), and a
+# census at each watchdog's first walks costs the suite a pass over its objects each.
+os.environ.setdefault("MLX_WATCHDOG_CENSUS", "off")
 
 # The server tests' model: its folder's name is the watchdog's name in their metrics.
 SERVED_MODEL = "tiny-qwen3-next"

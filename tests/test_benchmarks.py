@@ -289,3 +289,23 @@ def test_serve_shutdown_benchmark_runs(tmp_path):
     )
     (row,) = [line for line in text.splitlines() if line.startswith("| SIGINT |")]
     assert [cell.strip() for cell in row.split("|")[2:7]] == ["1", "1", "0", "0", "0"], text
+
+
+def test_census_cost_benchmark_runs(tmp_path):
+    """Both parts at their smallest, in a process of their own (it grows the process's objects):
+    the tables come out, every census named the scheduler's two chains, and the watched decode's
+    census named them too."""
+    out = tmp_path / "census_cost.md"
+    script = os.path.join(BENCHMARKS, "census_cost.py")
+    for part in (
+        ["census", "--objects", "20000,40000", "--rounds", "2"],
+        ["decode", "--program", "leak", "--objects", "20000", "--layers", "2", "--reps", "1", "--rounds", "2", "--chunk", "4"],
+    ):  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, script, *part, "--out", str(out)], capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert text.count("| history, score |") == 2  # census: each size, every census named both
+    assert "| `census` | wall |" in text and "| `aa` | wall |" in text  # decode, with its A/A control
+    assert "Scheduler.history" in text and "Scheduler.score" in text

@@ -886,7 +886,8 @@ def test_run_takes_serves_watchdog_options(tmp_path):
     parser = cli.build_parser(load_serve=False, load_run=True)
     args = parser.parse_args(
         ["run", "--fix", "--fix-every", "4", "--limit", "1000", "--warn-within", "10", "--stop-within", "5",
-         "--overhead-budget", "0.05", "--walk-interval", "0", "--process-count", "on", "--metrics-port", "0"]
+         "--overhead-budget", "0.05", "--walk-interval", "0", "--process-count", "on", "--census", "off",
+         "--metrics-port", "0"]
     )  # fmt: skip
     from mlx_watchdog.commands.watch_options import watchdog_options
 
@@ -899,4 +900,5 @@ def test_run_takes_serves_watchdog_options(tmp_path):
         "overhead_budget": 0.05,
         "walk_interval": 0.0,
         "process_count": True,
+        "census": False,
     }

@@ -385,6 +385,8 @@ def test_split_and_parse():
             "2",
             "--process-count",
             "off",
+            "--census",
+            "on",
             "--",
             "--model",
             "m",
@@ -417,6 +419,7 @@ def test_split_and_parse():
         "overhead_budget": 0.5,
         "walk_interval": 2.0,
         "process_count": False,
+        "census": True,
     }
 
     args, server_argv = serve.parse_args(["--no-fix", "--no-metrics"])
@@ -427,6 +430,7 @@ def test_split_and_parse():
     assert defaults.overhead_budget == 0.01 and defaults.adapt_prefill is False
     assert defaults.walk_interval is None  # auto
     assert serve.watchdog_options(defaults)["process_count"] == "auto"
+    assert serve.watchdog_options(defaults)["census"] == "auto"
 
 
 @pytest.mark.parametrize(
@@ -441,6 +445,7 @@ def test_split_and_parse():
         (["--overhead-budget", "0"], "--overhead-budget"),
         (["--walk-interval", "-1"], "--walk-interval"),
         (["--process-count", "yes"], "--process-count"),
+        (["--census", "yes"], "--census"),
         (["--model", "m"], "after `--`"),
     ],
 )
@@ -462,6 +467,7 @@ def test_bad_namespace_values_raise_value_error():
         ("overhead_budget", 2.0),
         ("walk_interval", float("inf")),
         ("process_count", "maybe"),
+        ("census", "maybe"),
     ):
         args = argparse.Namespace(**dict(good, **{option: value}))
         with pytest.raises(ValueError, match="--" + option.replace("_", "-")):

@@ -63,6 +63,7 @@ OPTIONS = (
     "max_objects",
     "max_depth",
     "process_count",
+    "census",
 )
 
 OnWatch = Callable[[Any, Any], Any]  # on_watch(watched object, its watchdog)
@@ -341,6 +342,7 @@ def _checked_options(options: dict[str, Any]) -> dict[str, Any]:
         "max_objects": lambda v: bounds.checked_positive_int(v, "max_objects"),
         "max_depth": lambda v: bounds.checked_positive_int(v, "max_depth"),
         "process_count": lambda v: bounds.checked_process_count(v),
+        "census": lambda v: bounds.checked_process_count(v, "census"),
     }
     for name, check in checks.items():
         if name in checked:

@@ -36,13 +36,15 @@ def default_metrics_port() -> int:
         return DEFAULT_METRICS_PORT
 
 
-# --process-count's words, and the Watchdog's values for them.
+# --process-count's words, and the Watchdog's values for them (--census's too).
 PROCESS_COUNT: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+CENSUS = PROCESS_COUNT
 
 
 def add_watchdog_arguments(group: Any, stop_help: str) -> None:
     """``--fix``, ``--fix-every``, ``--limit``, ``--warn-within``, ``--stop-within`` (``stop_help``
-    says what a stop does), ``--overhead-budget``, ``--walk-interval``, ``--process-count``."""
+    says what a stop does), ``--overhead-budget``, ``--walk-interval``, ``--process-count``,
+    ``--census``."""
     group.add_argument(
         "--fix",
         action=argparse.BooleanOptionalAction,
@@ -97,6 +99,15 @@ def add_watchdog_arguments(group: Any, stop_help: str) -> None:
         help="count MLX's live buffers in the whole process, at its allocator, so that a leak "
         "outside the model's caches is read too (as unattributed growth): auto (default) where "
         "its self-check passes, on (the same, a failure logged as a warning), off",
+    )
+    group.add_argument(
+        "--census",
+        choices=tuple(CENSUS),
+        default="auto",
+        help="look for the program's own objects that hold lazy arrays outside the model's caches "
+        "(from the garbage collector's view, within a share of the overhead budget) and name them "
+        "as leak sites outside:<module>.<Class>.<attribute>: auto (default: on unless "
+        "MLX_WATCHDOG_CENSUS=off), on, off",
     )
 
 
@@ -184,6 +195,7 @@ def watchdog_options(args: argparse.Namespace) -> dict:
         ),
         "walk_interval": interval,
         "process_count": _process_count(get("process_count", "auto")),
+        "census": _census(get("census", "auto")),
     }
 
 
@@ -195,3 +207,13 @@ def _process_count(value: Any) -> bool | str:
         return checked_process_count(value, "--process-count")
     except ValueError:
         raise ValueError(f"--process-count must be one of auto, on, off, got {value!r}") from None
+
+
+def _census(value: Any) -> bool | str:
+    """--census's word (or, in a Namespace built without the parser, a Watchdog value)."""
+    if isinstance(value, str) and value in CENSUS:
+        return CENSUS[value]
+    try:
+        return checked_process_count(value, "--census")
+    except ValueError:
+        raise ValueError(f"--census must be one of auto, on, off, got {value!r}") from None

@@ -24,6 +24,8 @@ never the reverse.
 * ``clock.py``: every clock the watchdog reads (wall and CPU time), read from there alone.
 * ``compiled.py``: the compiled functions of the process (``mx.compile``'s cache entries, one per
   input signature), a site ``compiled:<function>`` of every watchdog's reading.
+* ``census.py``: the program's own objects that hold pending arrays outside the caches, found from
+  the garbage collector's view, each attribute a site ``outside:<module>.<Class>.<attribute>``.
 * ``limits.py`` (the device's buffer limit, an exact counter where MLX has one),
   ``options.py`` (the bounds of every option), ``chunks.py`` (a prefill chunk's buffers as a
   line over its length, and the largest chunk under a budget).

@@ -37,6 +37,8 @@ from .actions import ResourceLimitForecast, Stop, Warnings, remedy
 from .arrays import MAX_DEPTH, MAX_OBJECTS, scan_all, steps_key
 from .attribution import Attribution
 from .caches import KEPT_MARK, Scope, member_of
+from .census import Census
+from .census import advice as outside_advice
 from .coordination import Coordinator, launched, new_coordinator
 from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
 from .growth import SAMPLE_WINDOW, Growth, SiteTally
@@ -149,6 +151,11 @@ class Watchdog:
             on where its self-check passes); ``True``: on where its self-check passes, a failure
             logged as a warning; ``False``: off. Where MLX has a buffer counter of its own, that one
             is read instead. When it is off, ``process_count_off`` says why.
+        census: find the program's own objects that hold pending arrays outside the caches (a
+            server's per-step outputs kept lazily), from the garbage collector's view, within a
+            share of the budget, and read their attributes as sites ``outside:<module>.<Class>.<attr>``
+            (``census.py``). ``"auto"`` (default): as ``$MLX_WATCHDOG_CENSUS`` says (on unless
+            off); ``True``: on; ``False``: off. ``census.off`` says why it is off.
     """
 
     def __init__(
@@ -168,6 +175,7 @@ class Watchdog:
         max_objects: int = MAX_OBJECTS,
         max_depth: int = MAX_DEPTH,
         process_count: bool | str = "auto",
+        census: bool | str = "auto",
     ):
         self.limit = resolve_limit(limit)
         # MLX's own count, where it has one (Metal); else the process count (process_count.py)
@@ -185,6 +193,7 @@ class Watchdog:
         if on_forecast is not None and not callable(on_forecast):
             raise ValueError(f"on_forecast must be callable, got {on_forecast!r}")
         process_count = checked_process_count(process_count)
+        census = checked_process_count(census, "census")
         # Why the process count is not read (None while it is): the counter, whoever's it is.
         self.process_count_off: str | None = None
         if self._counter is not None:
@@ -229,6 +238,8 @@ class Watchdog:
         self._step_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=SAMPLE_WINDOW)
         self._pace_before_pause = 0.0  # seconds per step before the last pause (_seconds_per_step)
         self._scope = Scope()
+        # The program's objects outside the caches that hold pending arrays (census.py).
+        self.census = Census(census)
         self._schedule = Schedule(overhead_budget, walk_interval, beats=not fix)
         self._sampler = Sampler()
         self._epoch = 0
@@ -763,13 +774,7 @@ class Watchdog:
 
         cache_buffers = reading.evaluated_arrays
         retained_buffers = reading.retained_buffers
-        # The compiled functions' cache entries (compiled.py): process-wide, held outside any
-        # cache. Not in a probe's reading: the fix cuts none of them.
-        compiled_buffers = 0
-        for compiled_site, (buffers, entries) in compiled.tallies().items():
-            compiled_buffers += buffers
-            if probe is None:
-                sites[compiled_site] = SiteTally(held=buffers, arrays=entries)
+        compiled_buffers = self._outside_caches(step, found, sites if probe is None else None)
         mlx_cached = 0
         resident = walked = self._parameter_buffers + cache_buffers + retained_buffers + compiled_buffers
         counter = self._counter
@@ -934,7 +939,9 @@ class Watchdog:
             logger.warning(
                 "mlx-watchdog: resource limit forecast: %s (%s)",
                 forecast.describe(),
-                compiled.advice(forecast.leaks) or remedy(self.fix, self._fixer.fixed_once),
+                compiled.advice(forecast.leaks)
+                or outside_advice(forecast.leaks)
+                or remedy(self.fix, self._fixer.fixed_once),
             )
 
     # ----------------------------------------------------------------- helpers
@@ -980,6 +987,20 @@ class Watchdog:
         self._fixer.reset(self.steps)
         self._sampler.forget()  # what it walked before names other arrays now
         self._empty_walks = 0
+
+    def _outside_caches(self, step: int, found: list, sites: dict[str, SiteTally] | None) -> float:
+        """The buffers held outside the caches that a reading names: the compiled functions' cache
+        entries (compiled.py: process-wide) and the program's own objects (census.py). ``sites``
+        (None in a probe's reading: the fix cuts none of them) gets their sites."""
+        held = 0.0
+        for compiled_site, (buffers, entries) in compiled.tallies().items():
+            held += buffers
+            if sites is not None:
+                sites[compiled_site] = SiteTally(held=buffers, arrays=entries)
+        held += self.census.read(step, found, self._schedule, sites, self._outside_rate())
+        if self.census.fresh:  # the readings before counted other arrays there: no growth line
+            self._growth.samples.clear()
+        return held
 
     def _resident_now(self, step: int) -> float:
         last = self._last
