@@ -14,6 +14,11 @@ version is given twice (``NAME`` and ``NAME~``), an A/A pair: their difference i
     git archive 13a7a27 watchdog | tar -x -C /tmp/base
     python benchmarks/step_cost.py --version base=/tmp/base --version tree=. --fix
 
+``--bytecodes`` counts instead the Python bytecodes the watched call runs around the forward at each
+step (``sys.settrace`` with opcode events; the forward itself is not traced): a figure that does not
+depend on the machine or its load. On a cold path each bytecode costs about the same (~0.16 us on the
+H200's host), so the count says where the time goes.
+
 Reported per variant, over the steps past the dense walks: the median and mean wrapper cost of the
 steps that neither walked nor fixed (the per-step path), and the mean over all steps (walks and
 fixes included); then the paired difference of each version to the first, round by round.
@@ -42,10 +47,11 @@ def load(name: str, root: str):
 
 
 def _bootstrap(diffs: list[float], seed: int = 0, draws: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median (a loaded machine's descheduled steps swamp a mean)."""
     rng = random.Random(seed)
     n = len(diffs)
-    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(draws))
-    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
+    medians = sorted(statistics.median(rng.choices(diffs, k=n)) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
 def main(argv=None) -> int:
@@ -63,8 +69,11 @@ def main(argv=None) -> int:
     p.add_argument("--fix", action="store_true", help="Watchdog(fix=True) as well")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="append the report (markdown) to this file")
+    p.add_argument("--bytecodes", action="store_true", help="count bytecodes a step instead of timing")
     args = p.parse_args(argv)
     versions = dict(v.split("=", 1) for v in args.version)
+    if args.bytecodes:
+        return bytecodes(versions, args)
 
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -160,10 +169,10 @@ def main(argv=None) -> int:
         )
     lines += [
         "",
-        "Paired differences on the per-step path (the same round, both without a walk or fix), "
-        "mean with a 95% bootstrap interval over rounds:",
+        "Paired differences on the per-step path (the same round, both without a walk or fix): "
+        "the median with a 95% bootstrap interval over rounds, and the mean:",
         "",
-        "| variant | vs | mean us | 95% interval | median us | rounds |",
+        "| variant | vs | median us | 95% interval | mean us | rounds |",
         "|---|---|---|---|---|---|",
     ]
     first = next(iter(versions))
@@ -178,8 +187,8 @@ def main(argv=None) -> int:
         diffs = [r[a] - r[b] for r in rounds if a in r and b in r]
         low, high = _bootstrap(diffs)
         lines.append(
-            f"| {a} | {b} | {statistics.fmean(diffs) * 1e6:+.2f} | {low * 1e6:+.2f} .. {high * 1e6:+.2f} "
-            f"| {statistics.median(diffs) * 1e6:+.2f} | {len(diffs)} |"
+            f"| {a} | {b} | {statistics.median(diffs) * 1e6:+.2f} | {low * 1e6:+.2f} .. {high * 1e6:+.2f} "
+            f"| {statistics.fmean(diffs) * 1e6:+.2f} | {len(diffs)} |"
         )
     errors = {
         n: v[1].internal_errors for n, v in variants.items() if v[1] is not None and v[1].internal_errors
@@ -193,6 +202,83 @@ def main(argv=None) -> int:
         print(f"internal errors: {errors}: a variant measured an error path", file=sys.stderr)
         return 1
     return 0
+
+
+def bytecodes(versions: dict[str, str], args) -> int:
+    """Bytecodes run by the watched call around the forward, per step, for each version (watched,
+    and with --fix the fix too): the steps that neither walked nor fixed, those that looked at
+    the batch's rows among them (every 4 steps), by function."""
+    import collections
+    import statistics
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_watchdog.tiny import build_model
+
+    attach = {name: load(f"wd_bytecodes_{name}", root) for name, root in versions.items()}
+    model = build_model("llama", layers=args.layers, seed=args.seed)
+    forward = type(model).__call__.__code__
+    lines = [
+        f"Bytecodes a step around the forward ({args.layers}-layer tiny llama, steps {args.skip}-"
+        f"{args.steps} that neither walked nor fixed; Python {sys.version.split()[0]})",
+        "",
+        "| version | steps | median | min | a step that looked at the rows | by function (the least step) |",
+        "|---|---|---|---|---|---|",
+    ]
+    errors = 0
+    for name, core in attach.items():
+        for fix in [False, True] if args.fix else [False]:
+            m = copier.copy(model)
+            wd = core.Watchdog(export=False, fix=fix, process_count=False)
+            core.watch_model(m, wd)
+            cache = make_prompt_cache(model)
+            y = m(mx.array([[1, 2, 3, 4]]), cache=cache)[:, -1].argmax(-1)
+            mx.eval(y)
+            counts: list[collections.Counter] = []
+            for step in range(args.steps):
+                walks, fixed = wd.walks, wd._fixer.last_step  # (private: benchmark only)
+                ops: collections.Counter = collections.Counter()
+                inside = [True]
+
+                def trace(frame, event, arg, ops=ops, inside=inside):
+                    if frame.f_code is forward:  # the program's forward: not the watchdog's
+                        inside[0] = False
+                    if not inside[0]:
+                        return None
+                    frame.f_trace_opcodes = True
+
+                    def local(frame, event, arg):
+                        if event == "opcode":
+                            code = frame.f_code
+                            ops[getattr(code, "co_qualname", code.co_name)] += 1
+                        return local
+
+                    return local
+
+                sys.settrace(trace)
+                out = m(y[None], cache=cache)
+                sys.settrace(None)
+                y = out[:, -1].argmax(-1)
+                mx.eval(y)
+                if step >= args.skip and wd.walks == walks and wd._fixer.last_step == fixed:
+                    counts.append(ops)
+            totals = [sum(c.values()) for c in counts]
+            least = min(counts, key=lambda c: sum(c.values()))
+            rows = [t for t, c in zip(totals, counts) if "RowsWatch.changed" in c]
+            lines.append(
+                f"| {name}{'+fix' if fix else ''} | {len(totals)} | {statistics.median(totals):.0f} "
+                f"| {min(totals)} | {statistics.median(rows) if rows else '-'} "
+                f"| {', '.join(f'{k} {v}' for k, v in least.most_common())} |"
+            )
+            errors += wd.internal_errors
+            core.unwatch_model(m)
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(report + "\n\n")
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

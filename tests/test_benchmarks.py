@@ -293,3 +293,31 @@ def test_serve_shutdown_benchmark_runs(tmp_path):
     )
     (row,) = [line for line in text.splitlines() if line.startswith("| SIGINT |")]
     assert [cell.strip() for cell in row.split("|")[2:7]] == ["1", "1", "0", "0", "0"], text
+
+
+def test_paired_speed_pairs_another_version_of_the_package_in_one_process(tmp_path):
+    """``--base DIR``: the watched variants of another version (here this tree, copied) decode
+    beside this one's, paired, each without an internal error."""
+    root = os.path.dirname(BENCHMARKS)
+    records = tmp_path / "chunks.jsonl"
+    text = _run_script(
+        "paired_speed.py",
+        *("--model", "llama", "--layers", "2", "--steps", "16", "--chunk", "4", "--warmup", "4"),
+        *("--base", root, "--variants", "unwatched,watched,watched@base,nowalk@base"),
+        *("--compare", "watched:watched@base", "--jsonl", str(records)),
+    )
+    assert "| watched | watched@base |" in text and "| nowalk@base | unwatched |" in text, text
+    ends = {r["variant"]: r for r in map(json.loads, records.read_text().splitlines()) if r["type"] == "end"}
+    assert ends["watched@base"]["walks"] >= 3 and ends["nowalk@base"]["walks"] == 2, ends
+    assert all(e["internal_errors"] == 0 for v, e in ends.items() if v != "unwatched"), ends
+
+
+def test_step_cost_benchmark_runs():
+    root = os.path.dirname(BENCHMARKS)
+    text = _run_script(
+        "step_cost.py",
+        *("--version", f"one={root}", "--version", f"two={root}"),
+        *("--layers", "2", "--steps", "40", "--skip", "8", "--fix"),
+    )
+    for row in ("| one~ | one |", "| two | one |", "| two+fix | one+fix |"):
+        assert row in text, text
