@@ -115,6 +115,9 @@ bench: $(STAMP)
 	    --variants unwatched,aa,fix,every256,handfix --compare fix:every256,fix:handfix --time-box 900 \
 	    --jsonl $(BENCH_OUT)/speed_long.jsonl --out $(BENCH_OUT)/speed_long.md
 	$(PY) benchmarks/observe_stall.py --out $(BENCH_OUT)/observe_stall.md
+	rm -rf $(BENCH_OUT)/head && mkdir -p $(BENCH_OUT)/head && git archive HEAD watchdog | tar -x -C $(BENCH_OUT)/head
+	$(PY) benchmarks/step_cost.py --bytecodes --version head=$(BENCH_OUT)/head --version tree=. --layers 4 \
+	    --steps 300 --skip 150 --fix --out $(BENCH_OUT)/step_cost.md
 	$(PY) benchmarks/evaluated_check.py --out $(BENCH_OUT)/evaluated_check.md
 	$(PY) benchmarks/scrape_pause.py --json $(BENCH_OUT)/scrape_pause.json
 	$(PY) benchmarks/prefill_cost.py > $(BENCH_OUT)/prefill_cost.md

@@ -309,9 +309,11 @@ def _stop_resetting_watchdog() -> type:
         from ..core.watchdog import Watchdog
 
         class LoadedModelWatchdog(Watchdog):
-            def observe(self, roots: Any, *, last_output: Any = None, prefill: bool = False) -> None:
+            def observe(
+                self, roots: Any, *, last_output: Any = None, prefill: bool = False, inputs: Any = None
+            ) -> None:
                 try:
-                    super().observe(roots, last_output=last_output, prefill=prefill)
+                    super().observe(roots, last_output=last_output, prefill=prefill, inputs=inputs)
                 except ResourceLimitForecast:
                     self.reset()  # the program fails the running requests and goes on
                     raise

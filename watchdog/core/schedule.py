@@ -98,7 +98,7 @@ COST_WINDOW = 5
 
 class Schedule:
     def __init__(self, overhead_budget: float, walk_interval: float | None, beats: bool = True) -> None:
-        self.overhead_budget = overhead_budget
+        self._budget = overhead_budget
         self.walk_interval = walk_interval
         self.decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
         self.spent = 0.0  # seconds of observe() charged to the budget, the fix's included
@@ -134,11 +134,22 @@ class Schedule:
         self.interval_decode = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
         self.wake_decode = self.interval_decode
         self._off = False  # switch_off(): no walk is ever due
+        self._slept = False  # the marks are due()'s, set past the walks the budget holds back
         self._arm()
+
+    @property
+    def overhead_budget(self) -> float:
+        return self._budget
+
+    @overhead_budget.setter
+    def overhead_budget(self, value: float) -> None:
+        self._budget = value
+        self._arm()  # what fits the budget now is another matter
 
     def _arm(self) -> None:
         """wake_step: the epoch's next walk, or owed walk; wake_decode: the next interval walk,
         or owed refresh."""
+        self._slept = False
         owed = self._owed_offsets
         offsets = [owed[self._owed]] if self._owed < len(owed) else []
         if self._next < len(self._offsets):
@@ -160,7 +171,7 @@ class Schedule:
     def refresh_decode(self) -> float:
         """The decode time from which the walk of a change of the caches is owed: when the decode
         since the last walk has paid for one at ``REFRESH_SHARE`` of the budget."""
-        share = REFRESH_SHARE * self.overhead_budget
+        share = REFRESH_SHARE * self._budget
         return self.walk_decode + self.work / share if share > 0 else math.inf
 
     def stale_decode(self) -> float:
@@ -205,10 +216,51 @@ class Schedule:
         changed = self._epoch_start > self.walk_step and offset >= CHANGE_OFFSETS[0]
         if changed and decode >= self.refresh_decode():  # the caches changed since the reading
             return True
-        wanted = (
-            self._next < len(self._offsets) and offset >= self._offsets[self._next]
-        ) or decode >= self.interval_decode
-        return wanted and self.affordable(share=ROUTINE_SHARE if measured else 1.0)
+        dense = self._next < len(self._offsets) and offset >= self._offsets[self._next]
+        share = ROUTINE_SHARE if measured else 1.0
+        if (dense or decode >= self.interval_decode) and self.affordable(share=share):
+            return True
+        self._sleep(step, beat, dense, share)
+        return False
+
+    def _sleep(self, step: int, beat: bool, dense: bool, share: float) -> None:
+        """No walk at ``step``: the marks move to the first step and decode time at which ``due``
+        may say otherwise, so that the steps until then do not ask (a walk the budget holds back
+        would have every step ask, ~180 bytecodes each, until the decode has paid for it). They
+        hold while nothing but the step and the time the decode and the watchdog spend moves on:
+        a walk, a new epoch, an owed walk, a refund, a fix and a new budget arm them again."""
+        offset = step - self._epoch_start
+        steps = [self._decode_start + self._beat] if not beat else []
+        owed = self._owed_offsets
+        if self._owed < len(owed):
+            steps.append(self._epoch_start + owed[self._owed])
+        if self._next < len(self._offsets) and not dense:
+            steps.append(self._epoch_start + self._offsets[self._next])
+        if self._epoch_start > self.walk_step and offset < CHANGE_OFFSETS[0]:
+            steps.append(self._epoch_start + CHANGE_OFFSETS[0])
+        routine = self.affordable_from(share)
+        decode = min(self.stale_decode(), routine if dense else max(self.interval_decode, routine))
+        if beat:  # a beat held back by the budget (its walks cost BEAT_CPU_SECONDS or more)
+            decode = min(decode, self.affordable_from(1.0))
+        if self._epoch_start > self.walk_step:
+            decode = min(decode, self.refresh_decode())
+        self.wake_step = min(steps) if steps else math.inf
+        self.wake_decode = decode
+        self._slept = True
+
+    def affordable_from(self, share: float = 1.0) -> float:
+        """The decode time from which one more walk may fit ``share`` of the budget (``affordable``):
+        now, where it does; else a bound that holds while the seconds spent only grow (until a
+        refund or a fix, which arm the marks again)."""
+        if self.affordable(share=share):
+            return self.decode_seconds
+        if self._budget <= 0:
+            return math.inf  # only the credit is allowed, and it is spent
+        cost = self.last_cost
+        return (1 - 1e-9) * min(  # (a hair early: rounding must not put it past the walk)
+            (self.spent + cost) / (share * self._budget),  # within share of the budget
+            (self.spent - self.fix_spent + cost) / (WALK_FLOOR_SHARE * self._budget),  # the walks' floor
+        )
 
     def affordable(self, walks: int = 1, share: float = 1.0) -> bool:
         """Do ``walks`` more walks (at the last one's cost) fit ``share`` of the budget?"""
@@ -217,7 +269,7 @@ class Schedule:
         # change of its batch, and a credit per epoch would let short requests cost more than the
         # budget. The credit is a floor: past WALK_CREDIT_SECONDS / overhead_budget of decode,
         # at most overhead_budget is spent.
-        allowed = max(self.overhead_budget * self.decode_seconds, WALK_CREDIT_SECONDS)
+        allowed = max(self._budget * self.decode_seconds, WALK_CREDIT_SECONDS)
         cost = walks * self.last_cost
         if self.spent + cost <= share * allowed:
             return True
@@ -250,15 +302,19 @@ class Schedule:
         self.fix_spent += seconds
         self._fix_costs.append(seconds)
         self.fix_cost = statistics.median(self._fix_costs)
+        if self._slept:  # the walks' floor has more room
+            self._arm()
 
     def fix_affordable(self) -> bool:
         """Does one more fix (at the last ones' cost) fit the budget? (Asked once a fix is due.)"""
-        allowed = max(self.overhead_budget * self.decode_seconds, WALK_CREDIT_SECONDS)
+        allowed = max(self._budget * self.decode_seconds, WALK_CREDIT_SECONDS)
         return self.spent + self.fix_cost <= allowed
 
     def refund(self, seconds: float) -> None:
         """Seconds charged that were not the watchdog's to pay (the program's deferred work)."""
         self.spent -= seconds
+        if self._slept and seconds > 0:  # the budget has more room
+            self._arm()
 
     def first_of_decode(self, step: int) -> bool:
         """Is ``step`` the first of a new decode? Its reading is a level, not a point of the growth:

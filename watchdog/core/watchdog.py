@@ -26,6 +26,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable
+from threading import get_ident
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -68,6 +69,12 @@ logger = logging.getLogger("mlx_watchdog")
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
 IDLE_SECONDS = 3.0  # no step for this long (or 8 typical steps, if longer) is idle: nothing grows
 MAX_PATHS_PER_SITE = 16
+
+
+def input_tokens(inputs: Any) -> int:
+    """Tokens a forward's inputs (batch x tokens) hold: more than one is a prefill."""
+    shape = getattr(inputs, "shape", None)
+    return int(shape[1]) if shape is not None and len(shape) >= 2 else 1
 
 
 @runtime_checkable
@@ -377,7 +384,9 @@ class Watchdog:
             self.record_internal_error("count_parameters", exc)
         return self._parameter_buffers
 
-    def observe(self, roots: Any, *, last_output: Any = None, prefill: bool = False) -> None:
+    def observe(
+        self, roots: Any, *, last_output: Any = None, prefill: bool = False, inputs: Any = None
+    ) -> None:
         """Observe one decode step. Call it at the entry of each step (before the forward).
 
         ``roots``: any object graph holding the cache(s). ``last_output``: the previous step's
@@ -385,12 +394,14 @@ class Watchdog:
         so the watchdog never computes what the program itself would not have.
         ``prefill=True`` marks a multi-token forward: it is observed when it runs on the cache
         being followed (speculative verification does), but a prompt processed on other caches
-        beside a running batch (``BatchGenerator``) does not start a new series.
+        beside a running batch (``BatchGenerator``) does not start a new series. ``inputs``: the
+        forward's input tokens (batch x tokens), instead of ``prefill``: a forward of more than
+        one token is a prefill. They are looked at only when the roots are not last step's.
 
         Never raises, except :class:`ResourceLimitForecast` when ``stop_within`` says so."""
         start = clock.wall()
         try:
-            self._observe(roots, last_output, prefill, start)
+            self._observe(roots, last_output, prefill, start, inputs)
         except ResourceLimitForecast:
             raise
         except Exception as exc:
@@ -568,7 +579,7 @@ class Watchdog:
 
     # ----------------------------------------------------------------- the step
 
-    def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float) -> None:
+    def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float, inputs: Any = None) -> None:
         # Every decode step runs this, just after the forward left the CPU's caches cold, where
         # each Python call and object touched costs: a step that neither walks nor fixes runs
         # this function alone.
@@ -582,7 +593,7 @@ class Watchdog:
         anchor_ref = self._anchor_ref
         if (
             ids != self._root_ids or (anchor_ref is not None and anchor_ref() is not anchor)
-        ) and not self._follow(roots, ids, anchor, prefill):
+        ) and not self._follow(roots, ids, anchor, prefill or input_tokens(inputs) > 1):
             return
         # Written by the decode thread alone, without the lock: a reader racing a step sees
         # the step count before or after it.
@@ -598,7 +609,7 @@ class Watchdog:
         self._last_observe = start
         step = self.steps = self.steps + 1
         self._step_times.append((step, start))
-        self._stepping_thread = threading.get_ident()
+        self._stepping_thread = get_ident()
         if not step % ROWS_EVERY and self._rows.probe is not None and self._rows.changed(roots, step):
             self._scope.changed()
         if self._scope.version != self._epoch_version:
@@ -629,7 +640,8 @@ class Watchdog:
                 and (schedule.affordable(walks=2) or self._growth.probed is None)
             ):
                 fixer.start_probe(step, self._growth.site_buffers())
-        if self.fix:
+        # (Fixer.due is False before fix_every steps since the last fix, backlog aside: not asked.)
+        if self.fix and (fixer.backlog or step - fixer.last_step >= fixer.every):
             backlog = fixer.backlog
             if fixer.due(step, last_output, schedule.fix_affordable, FIX_STRETCH):
                 self._fix(roots, walked_pending, step)
