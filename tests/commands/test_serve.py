@@ -68,7 +68,10 @@ def _wait_healthy(url: str, process, log) -> None:
         except OSError:
             pass
         time.sleep(0.2)
-    pytest.fail(f"server not healthy after {STARTUP_SECONDS} s:\n{log.read_text()[-4000:] if log else ''}")
+    if process is not None and process.poll() is None:  # no orphan: its stacks go to its log (faulthandler)
+        process.send_signal(signal.SIGABRT)
+        process.wait(30)
+    pytest.fail(f"server not healthy after {STARTUP_SECONDS} s:\n{log.read_text()[-6000:] if log else ''}")
 
 
 def scrape(url: str) -> dict[tuple, float]:

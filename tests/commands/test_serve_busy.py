@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import threading
 import time
@@ -71,6 +72,7 @@ class OracleServed(Served):
 
     def _wait_up(self) -> None:
         deadline = time.monotonic() + STARTUP_SECONDS
+        last: OSError | None = None
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code == EXIT_NO_ORACLE:
@@ -87,10 +89,11 @@ class OracleServed(Served):
                 ):
                     if r1.status == 200 and r2.status == 200:
                         return
-            except OSError:
-                pass
+            except OSError as exc:
+                last = exc
             time.sleep(0.2)
-        pytest.fail(f"server not up after {STARTUP_SECONDS} s:\n{self.output()[-4000:]}")
+        self.stop(signal.SIGABRT)  # no orphan server: its stacks go to its log (faulthandler)
+        pytest.fail(f"server not up after {STARTUP_SECONDS} s ({last!r}):\n{self.output()[-6000:]}")
 
     def oracle(self) -> dict:
         """The true live-buffer count now: {"true", "steps", "where": "step" | "idle"}."""
