@@ -194,26 +194,17 @@ def watchdog_options(args: argparse.Namespace) -> dict:
             get("overhead_budget", DEFAULTS["overhead_budget"]), "--overhead-budget"
         ),
         "walk_interval": interval,
-        "process_count": _process_count(get("process_count", "auto")),
-        "census": _census(get("census", "auto")),
+        "process_count": _auto_on_off(get("process_count", "auto"), "--process-count"),
+        "census": _auto_on_off(get("census", "auto"), "--census"),
     }
 
 
-def _process_count(value: Any) -> bool | str:
-    """--process-count's word (or, in a Namespace built without the parser, a Watchdog value)."""
+def _auto_on_off(value: Any, flag: str) -> bool | str:
+    """An auto/on/off flag's word (--process-count, --census), or, in a Namespace built without the
+    parser, a Watchdog value."""
     if isinstance(value, str) and value in PROCESS_COUNT:
         return PROCESS_COUNT[value]
     try:
-        return checked_process_count(value, "--process-count")
+        return checked_process_count(value, flag)
     except ValueError:
-        raise ValueError(f"--process-count must be one of auto, on, off, got {value!r}") from None
-
-
-def _census(value: Any) -> bool | str:
-    """--census's word (or, in a Namespace built without the parser, a Watchdog value)."""
-    if isinstance(value, str) and value in CENSUS:
-        return CENSUS[value]
-    try:
-        return checked_process_count(value, "--census")
-    except ValueError:
-        raise ValueError(f"--census must be one of auto, on, off, got {value!r}") from None
+        raise ValueError(f"{flag} must be one of auto, on, off, got {value!r}") from None
