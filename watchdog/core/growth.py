@@ -151,6 +151,8 @@ class SiteSeries:
         for key, ref, retained, walked in tally.chains:
             chain = chains.get(key)
             if chain is None or chain.ref is not ref:  # a new array, or another cache at that id
+                if chain is not None:  # its readings stay subtracted while the window holds them
+                    chains[("gone", id(chain))] = chains.pop(key)
                 if not retained:  # an evaluated array (most of them): no chain to follow yet
                     chains.pop(key, None)
                     continue
