@@ -80,7 +80,6 @@ MAX_HOLDINGS = 256  # attributes followed at once
 MAX_ITEMS = 4096  # items of a container attribute read for arrays; a bigger one is not read
 MAX_ATTRIBUTES = 10_000  # attributes of one holder read
 MAX_SITE_LEN = 120
-MAX_PATHS = 16  # paths kept per site
 # A census whose CPU time passes this stalls the program too long: no more censuses (the
 # attributes already followed are still read at every walk).
 MAX_CENSUS_SECONDS = 0.5
@@ -225,16 +224,7 @@ class Census:
                 tally = sites.get(f.site)
                 if tally is None:
                     tally = sites[f.site] = SiteTally()
-                tally.arrays += 1
-                tally.chains.append(
-                    (key, holding.ref, 0.0 if done else retained, done or walked is None or i in walked)
-                )
-                if done:
-                    tally.held += 1
-                else:
-                    tally.retained += retained
-                    if retained and len(tally.paths) < MAX_PATHS:
-                        tally.paths.append(f.path)
+                tally.add(key, holding.ref, f.path, done, retained, walked is None or i in walked)
         del arrays, reading
         return buffers
 

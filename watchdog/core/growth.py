@@ -49,6 +49,7 @@ CUT_SHARE = 0.25
 # seen there without a cut, or retains YOUNG times the highest peak seen there: then it grows for
 # good, a leak beside a sawtooth at one site.
 YOUNG = 2
+MAX_PATHS_PER_SITE = 16  # paths of pending arrays a site's tally keeps
 # A tooth this many times longer than any seen and a chain this many times its peak, over
 # OVERDUE_READINGS readings at least: the program no longer cuts it.
 OVERDUE = 4
@@ -66,6 +67,18 @@ class SiteTally:
     # Each array walked: (its key, the cache's weak reference or None, retained, walked now):
     # followed to the next reading by its key, while its cache is the same object.
     chains: list[tuple[tuple, Any, float, bool]] = dataclasses.field(default_factory=list)
+
+    def add(self, key: tuple, ref: Any, path: str, done: bool, retained: float, walked: bool) -> None:
+        """One array of the site: evaluated (``done``, a buffer) or pending, retaining ``retained``
+        (``walked``: read whole now, not estimated)."""
+        self.arrays += 1
+        self.chains.append((key, ref, 0.0 if done else retained, done or walked))
+        if done:
+            self.held += 1
+            return
+        self.retained += retained
+        if retained and len(self.paths) < MAX_PATHS_PER_SITE:
+            self.paths.append(path)
 
 
 @dataclasses.dataclass(slots=True)

@@ -68,7 +68,6 @@ logger = logging.getLogger("mlx_watchdog")
 
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
 IDLE_SECONDS = 3.0  # no step for this long (or 8 typical steps, if longer) is idle: nothing grows
-MAX_PATHS_PER_SITE = 16
 
 
 def input_tokens(inputs: Any) -> int:
@@ -768,19 +767,12 @@ class Watchdog:
             site = sites.get(f.site)
             if site is None:
                 site = sites[f.site] = SiteTally()
-            site.arrays += 1
-            site.chains.append(
-                (key, cache.ref, 0.0 if done else retained, done or walked_now is None or index in walked_now)
-            )
+            site.add(key, cache.ref, f.path, done, retained, walked_now is None or index in walked_now)
             if done:
                 cache.buffers += 1
-                site.held += 1
             else:
                 cache.buffers += retained
                 cache.retained += retained
-                site.retained += retained
-                if retained and len(site.paths) < MAX_PATHS_PER_SITE:
-                    site.paths.append(f.path)
         del members, owners, keys
         self._fixer.remember_kept(held_by_others)
 
