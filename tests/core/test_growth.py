@@ -169,7 +169,7 @@ def test_a_cut_is_a_fall_between_two_walks():
             (0, 10, True),
             (5, 20, True),
             (6, 20 - (CUT_BUFFERS - 1), True),  # a wobble: a buffer shared with another chain
-            (7, 3, False),  # an estimate, not a walk: no cut read
+            (7, 22, False),  # an estimate from its site's gains
             (8, 25, True),
             (9, 3, True),  # walked both times, fell by more than a quarter: the program cut it
         ]
@@ -177,6 +177,20 @@ def test_a_cut_is_a_fall_between_two_walks():
     assert cuts == [False, False, False, False, False, True]
     assert (chain.cuts, chain.peak, chain.longest, chain.start) == (1, 25, 9, 9)
     assert chain.excess == 25 - 3
+
+
+def test_a_walk_is_read_against_the_chains_last_walk_whatever_the_estimates_between():
+    # A sampled reading walks a site's chains in turn: the walk before this one was readings ago.
+    chain, cuts = chain_reading([(0, 10, True), (5, 30, True), (6, 33, False), (7, 36, False), (8, 12, True)])
+    assert cuts == [False, False, False, False, True]
+    assert (chain.cuts, chain.peak, chain.start) == (1, 36, 8)
+
+
+def test_an_estimate_that_falls_is_a_cut():
+    # Estimated from its site's longest chain, walked at every reading: that chain was seen cut.
+    chain, cuts = chain_reading([(0, 10, True), (5, 30, True), (6, 5, False), (7, 6, True)])
+    assert cuts == [False, False, True, False]  # the walk after it: against walks since the cut
+    assert (chain.cuts, chain.peak, chain.start) == (1, 30, 6)
 
 
 def test_a_chain_no_longer_cut_is_a_leak_again():
