@@ -37,13 +37,13 @@ LAUNCHER = Path(__file__).resolve().parents[1] / "serve_with_oracle.py"
 EXIT_NO_ORACLE = 3  # serve_with_oracle.py's status when the counter cannot be installed
 WATCHDOG = "tiny-qwen3-next"
 
-# What the estimate may miss, or 5% of the count, whichever is larger: buffers no walk of the
-# caches can see. Measured at idle after busy waves of this test's clients (true count against
-# the evaluated arrays any Python object refers to, over gc.get_objects()): 197-204 live, of
-# which 137 parameters, 14 arrays in the server's lists (its prompt cache: finished requests'
-# caches) and 46-53 held inside MLX with no Python reference at all (not growing from wave to
-# wave). While requests run, their tokens, logits and logprobs add to that, and a request that
-# just joined holds its caches before the walk that reads them (seen: 82 off, at a slack of 80).
+# What the reading may miss, or 5% of the count, whichever is larger. With the process count off
+# (the walk alone), it missed what no walk of the caches sees: measured at idle after busy waves
+# of this test's clients, 197-204 live, of which 137 parameters, 14 arrays in the server's prompt
+# cache and 46-53 held inside MLX with no Python reference at all; and a request that joined after
+# a walk until the next one (112-372 off at the busiest). With the count as users have it (started
+# before the model loads, moved at every step's entry), the readings were 5-28 off on a quiet
+# machine, 47 at most beside two busy processes: a step's temporaries in flight at its entry.
 ABS_SLACK = 100
 REL_SLACK = 0.05
 
@@ -65,7 +65,15 @@ class OracleServed(Served):
         self.log = workdir / f"serve-{self.port}.log"
         self.oracle_log = workdir / f"oracle-{self.port}.jsonl"
         command = self._command([str(LAUNCHER)], model_dir, watchdog_args, server_args)
-        self._launch(command, workdir, ORACLE_LOG=str(self.oracle_log), ORACLE_PORT=str(self.oracle_port))
+        # The process count as users have it (the suite turns it off in conftest.py): started
+        # before the model loads, it counts what no walk of the caches sees.
+        self._launch(
+            command,
+            workdir,
+            ORACLE_LOG=str(self.oracle_log),
+            ORACLE_PORT=str(self.oracle_port),
+            MLX_WATCHDOG_PROCESS_COUNT="auto",
+        )
         self.oracle_url = f"http://127.0.0.1:{self.oracle_port}/live"
         self._wait_up()
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=120)

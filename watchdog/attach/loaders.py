@@ -213,12 +213,24 @@ class Instrumentor:
 
         @functools.wraps(original)
         def load_model(*args, **kwargs):
+            if instrumentor.active:
+                instrumentor._count_early()
             result = original(*args, **kwargs)
             if instrumentor.active:
                 instrumentor._loaded(library, result, args, kwargs)
             return result
 
         return load_model
+
+    def _count_early(self) -> None:
+        """Start the process count before the model's buffers are made: it is then every buffer
+        (``process_count.start_early``). Never raises: the program loads its model."""
+        try:
+            from ..core.process_count import start_early
+
+            start_early(self.options.get("process_count", "auto"))
+        except Exception as exc:
+            logger.info("mlx-watchdog: the process count was not started early: %r", exc)
 
     def _loaded(self, library: str, result: Any, args: Sequence, kwargs: dict) -> None:
         """Watch what a loader returned. Never raises: the program has its model."""

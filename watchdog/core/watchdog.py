@@ -608,6 +608,9 @@ class Watchdog:
         self._last_observe = start
         step = self.steps = self.steps + 1
         self._step_times.append((step, start))
+        counter = self._counter
+        if isinstance(counter, ProcessCounter):  # (the resident count between walks)
+            counter.step()
         self._stepping_thread = get_ident()
         if not step % ROWS_EVERY and self._rows.probe is not None and self._rows.changed(roots, step):
             self._scope.changed()
@@ -1007,6 +1010,11 @@ class Watchdog:
         return held
 
     def _resident_now(self, step: int) -> float:
+        counter = self._counter
+        if isinstance(counter, ProcessCounter):  # the count has followed every buffer since the reading
+            now = counter.resident_now()
+            if now is not None:
+                return max(float(self._parameter_buffers), now)
         last = self._last
         gone = self._gone
         if gone.reading is not last or gone.version != self._scope.version:  # a cache died since: recount
