@@ -49,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -127,12 +127,11 @@ class ProcessCounter:
         self.rate = 0.0  # buffers per step the process grows outside the caches read
         # (resident, raw count) of the last reading, one tuple: the exporter's thread reads it
         self._base: tuple[float, int] | None = None
+        # Called at the entry of each step (an atomic store; the C function itself, no Python
+        # frame: every step): the count between walks is the lowest since then, so what the step
+        # before made is in it and its temporaries, freed, are not.
+        self.step: Callable[[], object] = lib.low_reset
         lib.low_reset()
-
-    def step(self) -> None:
-        """At the entry of each step (an atomic store): the count between walks is the lowest
-        since then, so what the step before made is in it and its temporaries, freed, are not."""
-        self._lib.low_reset()
 
     def resident_now(self) -> float | None:
         """The resident count now, from any thread: the last reading's, moved as the count moved
