@@ -10,9 +10,10 @@ MLX_LM_SDIST   := .cache/mlx-lm-sdist
 # and mlx-openai-server mlx-lm), in a venv of its own built by uv from PyPI (~20 s; pip ~3 min).
 MLX_031       := .venv-mlx-031
 MLX_031_PINS  := mlx==0.31.2 mlx-lm==0.31.3
-MLX_031_TESTS := tests/test_core.py tests/test_graph.py tests/test_attach.py tests/test_fix.py tests/test_readings.py tests/test_serve.py tests/test_tiny.py
+MLX_031_TESTS := tests/test_core.py tests/core/test_graph.py tests/attach/test_attach.py tests/core/test_fix.py \
+                 tests/test_readings.py tests/commands/test_serve.py tests/tiny/test_tiny.py
 
-.PHONY: demo test test-mlx-031 test-peers lint typecheck docs docs-image system-deps sdist bench clean
+.PHONY: demo test test-mlx-031 test-peers lint lint-imports package-tree typecheck docs docs-image system-deps sdist bench clean
 
 # uv installs what pip would, in seconds instead of minutes (pip stays in the venv for the tests).
 $(STAMP): pyproject.toml
@@ -80,18 +81,27 @@ test-mlx-031: $(MLX_031)/.installed
 test-peers: $(STAMP)
 	$(PY) tests/peers/envs.py || [ "$$CI" != true ]
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_peers.py tests/test_peers_rapid.py \
-	    tests/test_sawtooth.py::test_the_cadence_reproduced_is_mlx_vlm_s_own
+	    tests/core/test_sawtooth.py::test_the_cadence_reproduced_is_mlx_vlm_s_own
 
-# ruff (lint and format) and mypy, as configured in pyproject.toml. mypy reads the package through
-# .cache/typecheck, links that put exporters/ inside mlx_watchdog as the wheel does.
-lint: $(STAMP)
+# ruff (lint and format), import-linter and mypy, as configured in pyproject.toml. The last two read
+# the package through .cache/package, links that put exporters/ inside mlx_watchdog as the wheel
+# does (neither can map folders onto package names).
+PACKAGE_TREE := .cache/package
+
+package-tree:
+	rm -rf $(PACKAGE_TREE) && mkdir -p $(PACKAGE_TREE)/mlx_watchdog
+	for f in watchdog/*; do ln -s "$$PWD/$$f" $(PACKAGE_TREE)/mlx_watchdog/; done
+	ln -s "$$PWD/exporters" $(PACKAGE_TREE)/mlx_watchdog/exporters
+
+lint: $(STAMP) lint-imports
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-typecheck: $(STAMP)
-	rm -rf .cache/typecheck && mkdir -p .cache/typecheck/mlx_watchdog
-	for f in watchdog/*; do ln -s "$$PWD/$$f" .cache/typecheck/mlx_watchdog/; done
-	ln -s "$$PWD/exporters" .cache/typecheck/mlx_watchdog/exporters
+# The import contracts (tool.importlinter): layers, who may import the tiny models, no circle.
+lint-imports: $(STAMP) package-tree
+	PYTHONPATH=$(PACKAGE_TREE) $(VENV)/bin/lint-imports --no-cache
+
+typecheck: $(STAMP) package-tree
 	$(VENV)/bin/mypy -p mlx_watchdog
 
 # The benchmark suite (benchmarks/README.md): not part of `make test`, it takes about an hour and
@@ -105,6 +115,9 @@ bench: $(STAMP)
 	    --variants unwatched,aa,fix,every256,handfix --compare fix:every256,fix:handfix --time-box 900 \
 	    --jsonl $(BENCH_OUT)/speed_long.jsonl --out $(BENCH_OUT)/speed_long.md
 	$(PY) benchmarks/observe_stall.py --out $(BENCH_OUT)/observe_stall.md
+	rm -rf $(BENCH_OUT)/head && mkdir -p $(BENCH_OUT)/head && git archive HEAD watchdog | tar -x -C $(BENCH_OUT)/head
+	$(PY) benchmarks/step_cost.py --bytecodes --version head=$(BENCH_OUT)/head --version tree=. --layers 4 \
+	    --steps 300 --skip 150 --fix --out $(BENCH_OUT)/step_cost.md
 	$(PY) benchmarks/evaluated_check.py --out $(BENCH_OUT)/evaluated_check.md
 	$(PY) benchmarks/scrape_pause.py --json $(BENCH_OUT)/scrape_pause.json
 	$(PY) benchmarks/prefill_cost.py > $(BENCH_OUT)/prefill_cost.md

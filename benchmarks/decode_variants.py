@@ -16,10 +16,14 @@ around each forward pass differs:
 * ``fixlow``          ``fix`` with a walk budget (``overhead_budget``) of 0.25% instead of 1%
 * ``wrapped``         diagnostic: ``watch_model`` with an observe() that does nothing (the model
                       wrapper's own cost)
-* ``nowalk``          diagnostic: ``watched`` with its walks switched off (``Schedule.switch_off``):
-                      observe()'s per-step path alone, what a step that neither walks nor fixes runs
+* ``nowalk``          diagnostic: ``watched`` with its walks switched off (``Schedule.switch_off``)
+                      after the first that read the caches (untimed): observe()'s per-step path alone,
+                      what a step that neither walks nor fixes runs
 * ``subclass``        diagnostic: the model's instance given a subclass of its class that overrides
                       nothing (what a per-instance class costs, without watch_model's ``__call__``)
+* ``VARIANT@base``    a watched variant (``watched@base``, ``fix@base``, ...) with another version of the
+                      package (``load_base``: a folder holding its ``watchdog/``), in the same process:
+                      two versions paired step by step, as no two processes pair them
 
 A watchdog's internal error (caught and counted in ``internal_errors``, the decode goes on) means a
 variant measured an error path, not what it names: ``Run.internal_errors`` carries the count, and
@@ -33,10 +37,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import importlib
 import math
 import os
 import random
+import shutil
 import subprocess
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -44,8 +52,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_watchdog import Watchdog
-from mlx_watchdog.attach.model import unwatch_model, watch_model
+from mlx_watchdog.attach import model as this_version
 from mlx_watchdog.core.arrays import find_arrays
 from mlx_watchdog.core.graph import account
 from mlx_watchdog.tiny import build_model, tiny_prompts
@@ -66,6 +73,31 @@ VARIANTS = (
     "subclass",
 )
 LOW_BUDGET = 0.0025  # walk budget of ``fixlow`` (the default is 0.01)
+WATCHED = ("watched", "fix", "fix4", "fix16", "fixlow", "wrapped", "nowalk")  # those a @base may take
+BASE = "@base"
+_versions: dict[str, Any] = {"": this_version}  # suffix -> that version's attach.model
+
+
+def load_base(root: str) -> None:
+    """Import the package version at ``root`` (a folder holding its ``watchdog/``) under a name of
+    its own, for the ``VARIANT@base`` variants."""
+    folder = tempfile.mkdtemp(prefix="decode-variants-")
+    name = "mlx_watchdog_base"
+    shutil.copytree(os.path.join(root, "watchdog"), os.path.join(folder, name))
+    sys.path.insert(0, folder)
+    _versions[BASE] = importlib.import_module(f"{name}.attach.model")
+
+
+def known(variant: str) -> bool:
+    """A variant of VARIANTS, or a watched one @base once a base version is loaded."""
+    base, _, suffix = variant.partition("@")
+    return variant in VARIANTS or (bool(suffix) and "@" + suffix in _versions and base in WATCHED)
+
+
+def _version(variant: str) -> tuple[str, Any]:
+    """The variant without its version suffix, and that version's attach.model."""
+    base, at, suffix = variant.partition("@")
+    return base, _versions[at + suffix]
 
 
 class _GCClock:
@@ -215,7 +247,10 @@ class AsyncEvalCacheWrapper(EvalCacheWrapper):
         return out
 
 
-def watchdog_for(variant: str) -> Watchdog | None:
+def watchdog_for(variant: str) -> Any:
+    """The variant's Watchdog (of its version of the package), or None for an unwatched one."""
+    variant, version = _version(variant)
+    Watchdog = version.Watchdog
     if variant == "watched":
         return Watchdog(export=False)
     if variant == "fix":
@@ -229,9 +264,12 @@ def watchdog_for(variant: str) -> Watchdog | None:
         wd = Watchdog(export=False)
         shadow(wd, "observe", lambda *args, **kwargs: None)
         return wd
-    if variant == "nowalk":  # no walk is ever due: observe()'s per-step path alone
+    if variant == "nowalk":  # after its first walk none is ever due: observe()'s per-step path alone
         wd = Watchdog(export=False)
-        wd._schedule.switch_off()
+        # Switched off once the first walk that read the caches (before the timed steps: the first
+        # forward's caches are empty) has armed what a step that walks nothing still runs (the look
+        # at the batch's rows every few steps).
+        wd.on_forecast = lambda forecast: forecast.cache_buffers and wd._schedule.switch_off()
         return wd
     return None
 
@@ -257,6 +295,7 @@ class Decode:
         model = copy.copy(model)  # the top-level object only
         self.model, self.variant, self.path = model, variant, path
         self.wd = watchdog_for(variant)
+        self.version = _version(variant)[1]
         if variant == "handfix":
             self.fn = EvalCacheWrapper(model, 1)
         elif variant == "every256":
@@ -274,7 +313,7 @@ class Decode:
         else:
             raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
         if self.wd is not None:
-            watch_model(model, self.wd)
+            self.version.watch_model(model, self.wd)
         if path == "plain":
             self.cache = make_prompt_cache(model)
             self.outputs = [[]]
@@ -360,7 +399,7 @@ class Decode:
             self._steps.close()
         else:
             self.gen.close()
-        unwatch_model(self.model)
+        self.version.unwatch_model(self.model)
         return run
 
 

@@ -19,6 +19,11 @@
 #            observe() that does nothing (wrapped), observe() with its walks switched off (nowalk),
 #            watched, fix; nowalk against wrapped is the per-step path, watched against nowalk the
 #            walks (~8 minutes)
+#   versions steady's design with another version of the package beside this one, in the same
+#            process (BASE: a folder holding its watchdog/, e.g. git archive REV watchdog | tar -x -C
+#            DIR): unwatched, A/A, watched, fix, watched@base, fix@base, taking one-step turns
+#   long-versions  long's model with the base version's fix beside this one's and its work by hand:
+#            unwatched, A/A, fix, async16, fix@base (~6 minutes)
 # A part fails (exit 1) as soon as any variant's watchdog had an internal error: that variant
 # measured an error path, not itself.
 # TIME_BOX (seconds, default 540) ends a part cleanly; EXTRA adds arguments to every run.
@@ -26,7 +31,7 @@
 set -euo pipefail
 : "${OUT:?set OUT to the folder for the results}"
 PY=${PYTHON:-python3}
-PART=${1:?part: long, steady or wrapper}
+PART=${1:?part: long, steady, wrapper, versions or long-versions}
 BOX=${TIME_BOX:-540}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
@@ -42,5 +47,10 @@ case "$PART" in
   steady) bench "${LLAMA[@]}" --steps 1000 --reps 40 --chunk 25 --interleave-steps --variants unwatched,aa,watched,fix ;;
   wrapper) bench "${LLAMA[@]}" --steps 2500 --reps 2 --chunk 25 --interleave-steps \
              --variants unwatched,aa,wrapped,nowalk,watched,fix --compare nowalk:wrapped,watched:nowalk,watched:wrapped ;;
-  *) echo "unknown part $PART (long|steady|wrapper)" >&2; exit 2 ;;
+  versions) bench "${LLAMA[@]}" --steps 1000 --reps 40 --chunk 25 --interleave-steps --base "${BASE:?set BASE}" \
+             --variants unwatched,aa,watched,fix,watched@base,fix@base \
+             --compare watched:watched@base,fix:fix@base ;;
+  long-versions) bench "${QWEN[@]}" --steps 1250 --chunk 16 --interleave-steps --base "${BASE:?set BASE}" \
+             --variants unwatched,aa,fix,async16,fix@base --compare fix:async16,fix@base:async16,fix:fix@base ;;
+  *) echo "unknown part $PART (long|steady|wrapper|versions|long-versions)" >&2; exit 2 ;;
 esac

@@ -40,6 +40,8 @@ from decode_variants import (  # noqa: E402
     add_model_arguments,
     interleaved,
     internal_errors,
+    known,
+    load_base,
     make_model,
     model_defaults,
     prompts_for,
@@ -70,6 +72,13 @@ def parse_args(argv=None):
     )
     p.add_argument("--compare", default="", help="extra pairs A:B, comma separated (e.g. fix:every256)")
     p.add_argument(
+        "--base",
+        default=None,
+        metavar="DIR",
+        help="another version of the package (a folder holding its watchdog/, e.g. from git archive): "
+        "its variants are named VARIANT@base (watched@base, fix@base, ...), paired in this process",
+    )
+    p.add_argument(
         "--jsonl",
         default=None,
         help="append the per-chunk records here (default: $OUT/chunks.jsonl, "
@@ -92,10 +101,12 @@ def parse_args(argv=None):
     if args.report:
         return args
     model_defaults(args)
+    if args.base:
+        load_base(args.base)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in args.variants + [v for pair in args.compare for v in pair]:
-        if v not in VARIANTS:
-            p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}")
+        if not known(v):
+            p.error(f"unknown variant {v!r}; known: {', '.join(VARIANTS)}, and VARIANT@base with --base")
     if "unwatched" not in args.variants:
         args.variants.insert(0, "unwatched")
     for name in ("steps", "reps", "chunk"):

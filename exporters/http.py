@@ -174,7 +174,7 @@ class BoundedHTTPServer:
                     # without a transport (and raises); give it back the closed one, so that
                     # closing and collecting the writer stay no-ops.
                     if writer.transport is None:
-                        writer._transport = raw
+                        writer._transport = raw  # noqa: SLF001 (asyncio's StreamWriter: no public setter)
                 if writer.transport is raw:
                     return
             await self._converse(conn, reader, http)

@@ -41,8 +41,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from ..core.watchdog import live_watchdogs
-from .prometheus import DEFAULT_PORT, MetricsServer, WatchdogCollector, start_metrics_server
+from ..core.live import hide_inherited, live_watchdogs
+from .collector import WatchdogCollector
+from .server import DEFAULT_PORT, MetricsServer, start_metrics_server
 
 logger = logging.getLogger("mlx_watchdog")
 
@@ -90,16 +91,13 @@ class SnapshotWriter:
         _writers.add(self)
         atexit.register(_remove_at_exit, weakref.ref(self))
 
-    def _reset_process_state(self, forked: bool = False) -> None:
+    def _reset_process_state(self) -> None:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last: tuple | None = None
         self._header: str | None = None
         self._closed = False
-        # Watchdogs inherited through fork: exported by the parent; here only once they step.
-        self._inherited: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-        self._hide_inherited = forked
 
     @property
     def path(self) -> Path:
@@ -136,7 +134,6 @@ class SnapshotWriter:
         with self._lock:
             if self._closed:
                 return False
-            self._reveal_inherited()
             watchdogs = live_watchdogs()
             if not watchdogs:
                 if self._last is not None:
@@ -179,35 +176,28 @@ class SnapshotWriter:
             self._header = _HEADER.format(pid=pid, started=_start_time(pid))
         return self._header
 
-    def _reveal_inherited(self) -> None:
-        if self._hide_inherited:  # the first look after a fork, on the writer's thread
-            self._hide_inherited = False
-            for wd in live_watchdogs():
-                self._inherited[wd] = wd.steps
-                wd.export = False
-        for wd, steps in list(self._inherited.items()):
-            if wd.steps != steps:  # it steps in this process: this process exports it
-                wd.export = True
-                del self._inherited[wd]
-
     def _after_fork_in_child(self) -> None:
         # The thread did not survive the fork; it was running if it was started and not stopped.
         was_running = self._thread is not None and not self._stop.is_set() and not self._closed
-        self._reset_process_state(forked=True)
+        self._reset_process_state()
         if was_running:
             self.start()
 
 
 def _remove_at_exit(ref: weakref.ref) -> None:
     writer = ref()
-    if writer is not None and not writer._closed:
+    if writer is not None and not writer._closed:  # noqa: SLF001 (this module's class)
         writer.stop(remove=True)
 
 
 def _after_fork_in_child() -> None:
     # Only this thread survives a fork: locks, the thread and the file name are the parent's.
-    for writer in list(_writers):
-        writer._after_fork_in_child()
+    writers = list(_writers)
+    if any(not writer._closed for writer in writers):  # noqa: SLF001 (this module's class)
+        # The parent's file shows the watchdogs it had: here each only once it steps here.
+        hide_inherited()
+    for writer in writers:
+        writer._after_fork_in_child()  # noqa: SLF001 (this module's class)
 
 
 if hasattr(os, "register_at_fork"):
@@ -337,7 +327,7 @@ def start_processes_server(
     folder: str | os.PathLike, port: int = DEFAULT_PORT, addr: str = "127.0.0.1", **options: Any
 ) -> MetricsServer:
     """Serve ``/metrics`` with the snapshots in ``folder`` merged (:class:`ProcessesCollector`).
-    ``options`` go to :func:`~mlx_watchdog.exporters.prometheus.start_metrics_server` (TLS, limits)."""
+    ``options`` go to :func:`~mlx_watchdog.exporters.server.start_metrics_server` (TLS, limits)."""
     registry = ProcessesRegistry()
     registry.register(ProcessesCollector(folder))
     return start_metrics_server(port, addr, registry=registry, **options)

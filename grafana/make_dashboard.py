@@ -230,6 +230,9 @@ def stat(
 # mapping keyed "Infinity" replaces it with words.
 STOPS_ANNOTATION = f"sum by (watchdog, reason) (increase(mlx_watchdog_stops_total{{{SEL}}}[$__interval])) > 0"
 
+# The name 'Top leak sites' gives the growth that no site explains (the process count's).
+UNATTRIBUTED_SITE = "unattributed (outside the caches)"
+
 NOT_GROWING = [
     {"type": "value", "options": {"Infinity": {"color": "green", "index": 0, "text": "not growing"}}},
     # NaN: the growth is not measured yet (mlx_watchdog_rate_known 0), which is no "no leak".
@@ -241,11 +244,45 @@ NOT_GROWING = [
 
 
 def build() -> dict:
-    L = Layout()
+    """The dashboard: its panels row by row, the stops as annotations, and the variables that pick
+    the watched processes."""
+    layout = Layout()
+    forecast_row(layout)
+    buffers_row(layout)
+    memory_row(layout)
+    prefill_row(layout)
+    compiled_row(layout)
+    health_row(layout)
+    layout.newline()
+    return {
+        "annotations": stop_annotations(),
+        "description": "mlx-watchdog: buffer growth per decode step, the leaking cache attribute, and the "
+        "forecast of the buffer limit (on Metal the `[metal::malloc] Resource limit (499000) exceeded` "
+        "crash) for MLX / mlx-lm processes.",
+        "editable": True,
+        "fiscalYearStartMonth": 0,
+        "graphTooltip": 1,
+        "id": None,
+        "links": [],
+        "panels": layout.panels,
+        "refresh": "10s",
+        "schemaVersion": 39,
+        "tags": ["mlx", "mlx-watchdog", "metal", "apple-silicon"],
+        "templating": {"list": variables()},
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "title": "MLX Watchdog",
+        "uid": "mlx-watchdog",
+        "version": 1,
+        "weekStart": "",
+    }
 
-    # ------------------------------------------------------------ forecast
-    L.row("Forecast: when will the buffer limit be hit?")
-    L.add(
+
+def forecast_row(layout: Layout) -> None:
+    """When the limit will be hit, how full the buffers are, which sites leak, and the processes."""
+    layout.row("Forecast: when will the buffer limit be hit?")
+    layout.add(
         stat(
             "Steps to limit",
             "How many more decode steps (about one generated token each) this process can run before the "
@@ -265,7 +302,7 @@ def build() -> dict:
         w=6,
         h=6,
     )
-    L.add(
+    layout.add(
         stat(
             "Time to limit",
             "The same forecast in wall-clock time: steps to limit divided by the current decode step rate. "
@@ -279,7 +316,13 @@ def build() -> dict:
         w=6,
         h=6,
     )
-    usage = {
+    layout.add(buffers_used_gauge(), w=6, h=6)
+    layout.add(top_leak_sites(), w=6, h=6)
+    layout.add(processes_table(), w=24, h=5)
+
+
+def buffers_used_gauge() -> dict:
+    return {
         "type": "gauge",
         "title": "Buffers used (% of limit)",
         "description": "Resident buffers as a share of the buffer limit (Metal's resource limit, about "
@@ -310,19 +353,27 @@ def build() -> dict:
             "sizing": "auto",
         },
     }
-    L.add(usage, w=6, h=6)
-    top_sites = {
+
+
+def top_leak_sites() -> dict:
+    return {
         "type": "bargauge",
         "title": "Top leak sites (buffers per step)",
         "description": "The cache attributes (for example `ArraysCache.left_padding`) that the watchdog blames "
         "for the growth, ranked by how many buffers each one leaves alive per decode step (top 10 "
         "over the selected processes, current value). Empty means nothing is leaking unrepaired. Without "
         "the fix these are the attributes `mlx-watchdog serve --fix` / `Watchdog(fix=True)` repairs; with "
-        "it, a site it cuts is left out here (it shows dashed in 'Leak per site').",
+        f"it, a site it cuts is left out here (it shows dashed in 'Leak per site'). '{UNATTRIBUTED_SITE}' "
+        "is the growth of the whole process that no site explains (from the process count): a leak "
+        "outside the caches the watchdog reads, which the fix does not reach (see 'Growth per step: "
+        "named sites vs unattributed').",
         "datasource": DS,
         "targets": [
             target(
-                f"topk(10, max by (watchdog, site) (mlx_watchdog_leak_buffers_per_step{{{SEL}}}) > 0)",
+                "topk(10, max by (watchdog, site) ("
+                f"mlx_watchdog_leak_buffers_per_step{{{SEL}}} or label_replace("
+                f'mlx_watchdog_unattributed_buffers_per_step{{{SEL}}}, "site", "{UNATTRIBUTED_SITE}", "", "")'
+                ") > 0)",
                 legend="{{site}} ({{watchdog}})",
                 instant=True,
             )
@@ -352,9 +403,10 @@ def build() -> dict:
             "valueMode": "color",
         },
     }
-    L.add(top_sites, w=6, h=6)
 
-    info = {
+
+def processes_table() -> dict:
+    return {
         "type": "table",
         "title": "Processes: versions and fix",
         "description": "One row per watched process (from the `mlx_watchdog_info` metric): the watchdog "
@@ -431,11 +483,12 @@ def build() -> dict:
             "showHeader": True,
         },
     }
-    L.add(info, w=24, h=5)
 
-    # ------------------------------------------------------------ buffers
-    L.row("Buffers and the lazy graph")
-    L.add(
+
+def buffers_row(layout: Layout) -> None:
+    """The buffers against the limit, their growth per step and per site, and what drives it."""
+    layout.row("Buffers and the lazy graph")
+    layout.add(
         timeseries(
             "Resident buffers vs limit",
             "Number of buffers alive in the process after each decode step (solid), against the buffer "
@@ -469,12 +522,13 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Growth per step",
             "Net buffers gained per decode step (the slope of the left graph), as measured by the "
             "watchdog. 0 is healthy; a steady positive value is a leak that ends in the resource-limit "
-            "crash; short spikes during prefill or cache resizing are normal.",
+            "crash; short spikes during prefill or cache resizing are normal. The panel below splits it "
+            "into the named leak sites and the growth no site explains.",
             [target(f"mlx_watchdog_buffers_per_step{{{SEL}}}")],
             "suffix:buffers/step",
             custom={"thresholdsStyle": {"mode": "line"}},
@@ -484,7 +538,8 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(growth_split(), w=12, h=8)
+    layout.add(
         timeseries(
             "Leak per site",
             "Buffers per step attributed to each cache attribute (`site`) over time, per process. Use it "
@@ -516,7 +571,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Bounded sites: peak buffers (cut by the program, no leak)",
             "Cache attributes whose lazy chains the program itself cuts now and then (it evaluates its "
@@ -537,7 +592,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Pending graph nodes",
             "Operations recorded in MLX's lazy compute graph but not yet evaluated at the end of a step. "
@@ -550,7 +605,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Fix activity: arrays materialized / buffers reclaimed / arrays failed per second",
             "What the leak fix (`mlx-watchdog serve --fix`, `Watchdog(fix=True)`) does, per second. "
@@ -583,7 +638,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Decode step rate",
             "Decode steps per second (about tokens per second per sequence): Prometheus' rate of "
@@ -597,9 +652,50 @@ def build() -> dict:
         h=8,
     )
 
-    # ------------------------------------------------------------ memory
-    L.row("Memory (bytes)")
-    L.add(
+
+def growth_split() -> dict:
+    """The growth per step in two parts: the named leak sites, and what the process grows beyond them."""
+    return timeseries(
+        "Growth per step: named sites vs unattributed",
+        "The growth per step of each process in two parts. Named sites (solid): the sum of the leak "
+        "sites the watchdog names in 'Leak per site' (cache attributes, and compiled functions "
+        "`compiled:...` under `mlx-watchdog run` or `instrument()`). Unattributed (dashed): what the "
+        "whole process grows beyond them (mlx_watchdog_unattributed_buffers_per_step), read from the "
+        "process count (every buffer MLX makes and frees): a leak outside the caches the watchdog "
+        "reads, such as a server's or program's own per-step outputs kept as lazy arrays, or a function "
+        "under mx.compile fed a new input shape each step. The fix does not reach it. It reads 0 where "
+        "the process count is off (`--process-count off`, or its self-check failed: the process log "
+        "says why). MLXWatchdogUnattributedGrowth fires when it stays above 0.5 whenever it is "
+        "measured while decoding, for 10 minutes; `mlx-watchdog diagnose --model ...` then tells "
+        "whether mlx-lm's own decode of the model grows, or the program around it.",
+        [
+            target(
+                f"sum by (job, instance, pid, watchdog, rank) (mlx_watchdog_leak_buffers_per_step{{{SEL}}})",
+                legend="named sites " + LEGEND,
+                ref="A",
+            ),
+            target(
+                f"mlx_watchdog_unattributed_buffers_per_step{{{SEL}}}",
+                legend="unattributed " + LEGEND,
+                ref="B",
+            ),
+        ],
+        "suffix:buffers/step",
+        overrides=[
+            {
+                "matcher": {"id": "byFrameRefID", "options": "B"},
+                "properties": [{"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}}],
+            }
+        ],
+        minimum=0,
+        decimals=2,
+    )
+
+
+def memory_row(layout: Layout) -> None:
+    """Bytes, beside the buffer count: MLX's allocator and the process's resident memory."""
+    layout.row("Memory (bytes)")
+    layout.add(
         timeseries(
             "MLX memory vs memory limit",
             "MLX's allocator, in bytes: active = memory held by live arrays; peak = highest active "
@@ -619,7 +715,7 @@ def build() -> dict:
         w=12,
         h=8,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Process resident memory (RSS)",
             "Resident set size of the whole Python process as the operating system reports it: the "
@@ -640,9 +736,11 @@ def build() -> dict:
         h=8,
     )
 
-    # ------------------------------------------------------------ prefill
-    L.row("Prefill")
-    L.add(
+
+def prefill_row(layout: Layout) -> None:
+    """The last prefill's graph, and the largest chunk that stays within the limit."""
+    layout.row("Prefill")
+    layout.add(
         timeseries(
             "Prefill graph nodes",
             "Lazy graph nodes of the last multi-token (prefill) forward pass. Prefill evaluates a whole "
@@ -655,7 +753,7 @@ def build() -> dict:
         w=16,
         h=7,
     )
-    L.add(
+    layout.add(
         stat(
             "Max safe prefill tokens",
             "The largest prefill chunk, in tokens, whose lazy graph stays within the buffer limit, as "
@@ -672,9 +770,102 @@ def build() -> dict:
         h=7,
     )
 
-    # ------------------------------------------------------------ watchdog health
-    L.row("Watchdog health")
-    L.add(
+
+# The compiled functions' series are process-wide: every watchdog of a process exports the same
+# ones, so the panels drop the watchdog label and show one series per process and function.
+COMPILED_LEGEND = "{{function}} {{instance}} {{rank}} {{pid}}"
+
+
+def compiled_row(layout: Layout) -> None:
+    """mx.compile's cache entries per function: the leak of a training loop fed many shapes."""
+    layout.row("Compiled functions (mx.compile: training steps)")
+    layout.add(compiled_signatures(), w=16, h=8)
+    layout.add(compiled_share_of_limit(), w=8, h=8)
+
+
+def compiled_signatures() -> dict:
+    """Each function's signatures over time, and the buffers one of its entries keeps."""
+    return timeseries(
+        "Compiled functions: input signatures kept, buffers per entry",
+        "Solid: the input signatures (array shapes and dtypes, other arguments) each function compiled "
+        "with mx.compile keeps a cache entry for (mlx_watchdog_compiled_signatures), for as long as the "
+        "function lives; mlx-lm's trainer compiles its step (`mlx_lm.tuner.trainer.step`). Dashed, right "
+        "axis: the buffers one entry keeps, measured on its traces (mlx_watchdog_compiled_entry_buffers). "
+        "A count that levels off is fine; one that keeps climbing (a new batch length at many steps) is "
+        "a leak, named `compiled:<function>` in 'Leak per site', which the fix cannot cut: compile with "
+        "`mx.compile(..., shapeless=True)` where the function allows, or pad the inputs to a few lengths "
+        "(buckets). Counted only where `mx.compile` is instrumented (`mlx-watchdog run`, "
+        "`instrument()`), for at most the exporter's max_sites functions per process, the most "
+        "signatures first; one series per process, whichever watchdog exports it.",
+        [
+            target(
+                f"max without (watchdog) (mlx_watchdog_compiled_signatures{{{SEL}}})",
+                legend="signatures: " + COMPILED_LEGEND,
+                ref="A",
+            ),
+            target(
+                f"max without (watchdog) (mlx_watchdog_compiled_entry_buffers{{{SEL}}})",
+                legend="buffers per entry: " + COMPILED_LEGEND,
+                ref="B",
+            ),
+        ],
+        "short",
+        overrides=[
+            {
+                "matcher": {"id": "byFrameRefID", "options": "B"},
+                "properties": [
+                    {"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}},
+                    {"id": "custom.axisPlacement", "value": "right"},
+                    {"id": "custom.axisLabel", "value": "buffers per entry"},
+                ],
+            }
+        ],
+        minimum=0,
+    )
+
+
+def compiled_share_of_limit() -> dict:
+    """What each function's cache holds (signatures x buffers per entry), against the buffer limit."""
+    held = (
+        f"max without (watchdog) (mlx_watchdog_compiled_signatures{{{SEL}}} "
+        f"* mlx_watchdog_compiled_entry_buffers{{{SEL}}})"
+    )
+    limit = f"min without (watchdog) (mlx_watchdog_resource_limit_buffers{{{SEL}}})"
+    top_sites = top_leak_sites()  # the same bar gauge, of another quantity
+    return {
+        **top_sites,
+        "title": "Compiled caches: share of the buffer limit",
+        "description": "The buffers each compiled function's cache holds now (its signatures times the "
+        "buffers per entry), as a share of the process's buffer limit (Metal's resource limit, elsewhere "
+        "the configured one); top 10 over the selected processes. These buffers stay for the function's "
+        "life: a share that grows with every new input shape ends in the resource-limit crash of a "
+        "fine-tune (mlx #4464). Empty until a function compiled under `mlx-watchdog run` or "
+        "`instrument()` has kept an entry.",
+        "targets": [
+            target(
+                f"topk(10, {held} / on(job, instance, pid, rank) group_left() {limit})",
+                legend="{{function}} ({{instance}} {{rank}} {{pid}})",
+                instant=True,
+            )
+        ],
+        "fieldConfig": {
+            "defaults": {
+                **top_sites["fieldConfig"]["defaults"],
+                "decimals": 1,
+                "max": 1,
+                "noValue": "no compiled function",
+                "thresholds": thresholds((None, "green"), (0.1, "orange"), (0.5, "red")),
+                "unit": "percentunit",
+            },
+            "overrides": [],
+        },
+    }
+
+
+def health_row(layout: Layout) -> None:
+    """The watchdog itself: whether it measures, what it costs, its stops and its errors."""
+    layout.row("Watchdog health")
+    layout.add(
         stat(
             "Decoding / growth measured",
             "Decoding: 1 while decode steps are observed, 0 when none came for a few seconds or the "
@@ -702,7 +893,7 @@ def build() -> dict:
         w=6,
         h=7,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Watchdog overhead (share of decode time)",
             "Seconds spent inside the watchdog's own bookkeeping per second of wall time while decoding, "
@@ -717,7 +908,7 @@ def build() -> dict:
         w=6,
         h=7,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Stops by reason",
             "Generations the watchdog stopped, by `reason`, counted per interval (increase of "
@@ -737,7 +928,7 @@ def build() -> dict:
         w=6,
         h=7,
     )
-    L.add(
+    layout.add(
         timeseries(
             "Internal errors",
             "Errors caught inside the watchdog itself (they are never raised into your generation), "
@@ -762,7 +953,7 @@ def build() -> dict:
         w=6,
         h=7,
     )
-    L.add(
+    layout.add(
         stat(
             'Leak sites folded into "other"',
             "How many leak sites the exporter summed into the site=\"other\" series of 'Leak per site' "
@@ -777,6 +968,11 @@ def build() -> dict:
         w=6,
         h=7,
     )
+    layout.add(last_stop_stat(), w=6, h=7)
+    layout.add(stop_leak_sites(), w=12, h=7)
+
+
+def last_stop_stat() -> dict:
     last_stop = stat(
         "Last stop",
         "How long ago the watchdog last stopped a generation before the limit, by reason "
@@ -809,7 +1005,12 @@ def build() -> dict:
             ],
         }
     ]
-    L.add(last_stop, w=6, h=7)
+    return last_stop
+
+
+def stop_leak_sites() -> dict:
+    """'Top leak sites' for the forecast of the last stop of each reason."""
+    top_sites = top_leak_sites()
     stop_sites = {
         **top_sites,
         "title": "Leak sites at the last stop (buffers per step)",
@@ -828,117 +1029,102 @@ def build() -> dict:
         **top_sites["fieldConfig"],
         "defaults": {**top_sites["fieldConfig"]["defaults"], "noValue": "no stop"},
     }
-    L.add(stop_sites, w=12, h=7)
-    L.newline()
+    return stop_sites
 
-    def query_var(name: str, label: str, query: str, description: str) -> dict:
-        return {
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-            "datasource": DS,
-            "definition": query,
-            "description": description,
+
+def stop_annotations() -> dict:
+    """Grafana's own annotations, and a mark where the watchdog stopped a generation."""
+    return {
+        "list": [
+            {
+                "builtIn": 1,
+                "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                "enable": True,
+                "hide": True,
+                "iconColor": "rgba(0, 211, 255, 1)",
+                "name": "Annotations & Alerts",
+                "type": "dashboard",
+            },
+            {
+                # Grafana 10.4+/11 read the query from `target`; the legacy
+                # top-level `expr` is kept for older importers.
+                "datasource": DS,
+                "enable": True,
+                "expr": STOPS_ANNOTATION,
+                "hide": False,
+                "iconColor": "orange",
+                "name": "Watchdog stops",
+                "step": "",
+                "tagKeys": "watchdog,reason",
+                "target": {"datasource": DS, "expr": STOPS_ANNOTATION, "interval": "", "refId": "Anno"},
+                "textFormat": "{{watchdog}}: generation stopped ({{reason}})",
+                "titleFormat": "watchdog stop: {{reason}}",
+                "useValueForTime": False,
+            },
+        ]
+    }
+
+
+def query_var(name: str, label: str, query: str, description: str) -> dict:
+    """A variable that picks among the values ``query`` lists, any number of them (All: `.*`)."""
+    return {
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "datasource": DS,
+        "definition": query,
+        "description": description,
+        "hide": 0,
+        "includeAll": True,
+        "allValue": ".*",
+        "label": label,
+        "multi": True,
+        "name": name,
+        "options": [],
+        "query": query,
+        "refresh": 2,
+        "regex": "",
+        "skipUrlSync": False,
+        "sort": 1,
+        "type": "query",
+    }
+
+
+def variables() -> list[dict]:
+    """Pick the data source, then the watched processes: by watchdog, instance and rank."""
+    return [
+        {
+            "current": {},
+            "description": "The Prometheus data source that scrapes the mlx-watchdog exporters.",
             "hide": 0,
-            "includeAll": True,
-            "allValue": ".*",
-            "label": label,
-            "multi": True,
-            "name": name,
+            "includeAll": False,
+            "label": "Data source",
+            "multi": False,
+            "name": "datasource",
             "options": [],
-            "query": query,
-            "refresh": 2,
+            "query": "prometheus",
+            "refresh": 1,
             "regex": "",
             "skipUrlSync": False,
-            "sort": 1,
-            "type": "query",
-        }
-
-    return {
-        "annotations": {
-            "list": [
-                {
-                    "builtIn": 1,
-                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-                    "enable": True,
-                    "hide": True,
-                    "iconColor": "rgba(0, 211, 255, 1)",
-                    "name": "Annotations & Alerts",
-                    "type": "dashboard",
-                },
-                {
-                    # Grafana 10.4+/11 read the query from `target`; the legacy
-                    # top-level `expr` is kept for older importers.
-                    "datasource": DS,
-                    "enable": True,
-                    "expr": STOPS_ANNOTATION,
-                    "hide": False,
-                    "iconColor": "orange",
-                    "name": "Watchdog stops",
-                    "step": "",
-                    "tagKeys": "watchdog,reason",
-                    "target": {"datasource": DS, "expr": STOPS_ANNOTATION, "interval": "", "refId": "Anno"},
-                    "textFormat": "{{watchdog}}: generation stopped ({{reason}})",
-                    "titleFormat": "watchdog stop: {{reason}}",
-                    "useValueForTime": False,
-                },
-            ]
+            "type": "datasource",
         },
-        "description": "mlx-watchdog: buffer growth per decode step, the leaking cache attribute, and the "
-        "forecast of the buffer limit (on Metal the `[metal::malloc] Resource limit (499000) exceeded` "
-        "crash) for MLX / mlx-lm processes.",
-        "editable": True,
-        "fiscalYearStartMonth": 0,
-        "graphTooltip": 1,
-        "id": None,
-        "links": [],
-        "panels": L.panels,
-        "refresh": "10s",
-        "schemaVersion": 39,
-        "tags": ["mlx", "mlx-watchdog", "metal", "apple-silicon"],
-        "templating": {
-            "list": [
-                {
-                    "current": {},
-                    "description": "The Prometheus data source that scrapes the mlx-watchdog exporters.",
-                    "hide": 0,
-                    "includeAll": False,
-                    "label": "Data source",
-                    "multi": False,
-                    "name": "datasource",
-                    "options": [],
-                    "query": "prometheus",
-                    "refresh": 1,
-                    "regex": "",
-                    "skipUrlSync": False,
-                    "type": "datasource",
-                },
-                query_var(
-                    "watchdog",
-                    "Watchdog",
-                    "label_values(mlx_watchdog_info, watchdog)",
-                    "The watchdog (model) name given to mlx-watchdog.",
-                ),
-                query_var(
-                    "instance",
-                    "Instance",
-                    'label_values(mlx_watchdog_info{watchdog=~"$watchdog"}, instance)',
-                    "host:port of the exporter (one per process; base port + rank in multi-rank runs).",
-                ),
-                query_var(
-                    "rank",
-                    "Rank",
-                    'label_values(mlx_watchdog_info{watchdog=~"$watchdog",instance=~"$instance"}, rank)',
-                    "Distributed rank; empty for single-process runs (All still matches them).",
-                ),
-            ]
-        },
-        "time": {"from": "now-1h", "to": "now"},
-        "timepicker": {},
-        "timezone": "browser",
-        "title": "MLX Watchdog",
-        "uid": "mlx-watchdog",
-        "version": 1,
-        "weekStart": "",
-    }
+        query_var(
+            "watchdog",
+            "Watchdog",
+            "label_values(mlx_watchdog_info, watchdog)",
+            "The watchdog (model) name given to mlx-watchdog.",
+        ),
+        query_var(
+            "instance",
+            "Instance",
+            'label_values(mlx_watchdog_info{watchdog=~"$watchdog"}, instance)',
+            "host:port of the exporter (one per process; base port + rank in multi-rank runs).",
+        ),
+        query_var(
+            "rank",
+            "Rank",
+            'label_values(mlx_watchdog_info{watchdog=~"$watchdog",instance=~"$instance"}, rank)',
+            "Distributed rank; empty for single-process runs (All still matches them).",
+        ),
+    ]
 
 
 def render() -> str:

@@ -1,8 +1,9 @@
 """Fixtures shared by the test files. A test file that defines a fixture of the same name uses its
 own (pytest's nearest definition wins).
 
-pytest puts tests/ on sys.path for this file and the test files: ``import support``,
-``import exact_buffers`` work from both. mlx_watchdog is imported inside the fixtures, not here:
+pyproject.toml puts tests/ on sys.path (pytest's ``pythonpath``) for this file and the test files
+of every folder below (tests/core/, tests/attach/, ...): ``import support``, ``import
+exact_buffers`` work from all of them. mlx_watchdog is imported inside the fixtures, not here:
 a test file decides what is imported first (environment variables set before mlx-lm loads, the
 distributed tests' order of imports).
 """
@@ -16,10 +17,15 @@ import pytest
 from support import FakeClock, exact_counter
 
 # The suite reads the walk of the caches alone unless a test asks for the process-wide count
-# (process_count=True, or this variable set to auto or on, in tests/test_process_count.py): many
+# (process_count=True, or this variable set to auto or on, in tests/core/test_process_count.py): many
 # tests keep an array a step of their own (tokens, log-probabilities to compare), which that count
 # reads, rightly, as growth. MLX_WATCHDOG_PROCESS_COUNT=auto make test runs them all with it.
 os.environ.setdefault("MLX_WATCHDOG_PROCESS_COUNT", "off")
+# The same for the census of the program's objects outside the caches (census=True, or this
+# variable set to auto or on, in tests/core/test_census.py): tests keep lazy arrays of their own on
+# objects (test_process_count.py's scheduler reads as unattributed growth there, on purpose), and a
+# census at each watchdog's first walks costs the suite a pass over its objects each.
+os.environ.setdefault("MLX_WATCHDOG_CENSUS", "off")
 
 # The server tests' model: its folder's name is the watchdog's name in their metrics.
 SERVED_MODEL = "tiny-qwen3-next"

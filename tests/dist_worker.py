@@ -1,4 +1,4 @@
-"""One rank of tests/test_distributed.py, started by ``mlx.launch --backend ring -n 2``.
+"""One rank of tests/attach/test_distributed.py, started by ``mlx.launch --backend ring -n 2``.
 
 Every rank decodes the same tiny model with mlx-lm's ``generate_step`` through the ``@watch``
 decorator, exactly as a user would write it (``instrument()`` first, then the decorator and its

@@ -218,8 +218,12 @@ def _serve_endpoint(port: int, wait: float) -> None:
             if self.path.split("?")[0] != "/live":
                 self.send_error(404)
                 return
-            result = PROBES.ask(wait)
-            record("probe", **{k: v for k, v in result.items() if k != "time"})
+            try:
+                result = PROBES.ask(wait)
+                record("probe", **{k: v for k, v in result.items() if k != "time"})
+            except Exception as exc:  # said, not a connection closed without a word
+                self.send_error(500, f"oracle: {exc!r}")
+                return
             body = json.dumps(result).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")

@@ -492,3 +492,115 @@ def test_a_watchdog_that_cannot_measure_is_reported(tmp_path, request):
     assert not f.rate_known and wd.steps > 100 and wd.internal_errors == 0
     # The forecast alerts had nothing to go on: the growth was never a number.
     assert not any(webhook.firing(name, BLIND) for name in (SOON, IMMINENT, LEAK_ALERT))
+
+
+# --------------------------------------------------------------------------- growth outside the caches
+
+OUTSIDE = "MLXWatchdogUnattributedGrowth"
+SCHEDULER = "e2e-scheduler"
+# The process count reads the growth outside the caches from readings spanning this many steps,
+# two in each half (core/process_count.py); from there on it reads the true rate within 15%
+# (tests/core/test_process_count.py).
+OUTSIDE_FROM = 2 * 48 + 32
+
+
+class SchedulerDecode(threading.Thread):
+    """A decode whose cache does not grow (``generate_step`` evaluates a tiny llama's KV cache
+    every step) beside what a server keeps of each step and never evaluates (Rapid-MLX's #2834):
+    the tokens so far as one array and a running score, one more buffer each a step, outside any
+    cache the watchdog is handed. Paced, so that the machine's other work goes on; it runs until
+    stopped and marks (watchdog step, exact live buffers) after a step when asked."""
+
+    def __init__(self, model, counter):
+        super().__init__(name="e2e-scheduler", daemon=True)
+        self.model, self.counter = model, counter
+        self.marks: list[tuple[int, int]] = []
+        self.mark_now = threading.Event()
+        self.halt = threading.Event()
+        self.error: str | None = None
+        self.steps = 0
+
+    def run(self) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from mlx_lm.models.cache import make_prompt_cache
+
+        history, score = mx.array([0]), mx.array(0.0)
+        mx.eval(history, score)
+        try:
+            cache = make_prompt_cache(self.model)
+            prompt = mx.array(list(range(1, 17)))
+            for token, logprobs in generate_step(prompt, self.model, prompt_cache=cache, max_tokens=100_000):
+                history = mx.concatenate([history, mx.array([token])])
+                score = score + logprobs.max()
+                self.steps += 1
+                if self.mark_now.is_set():
+                    self.mark_now.clear()
+                    self.marks.append((self.steps, self.counter.live()))
+                if self.halt.wait(0.01):
+                    return
+            self.error = "the decode ended"
+        except Exception as exc:  # reported by the test
+            self.error = f"the decode raised {exc!r}"
+
+    def mark(self) -> None:
+        self.mark_now.set()
+        assert wait_for(lambda: not self.mark_now.is_set(), 10), "the decode did not step"
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=30)
+
+
+def test_growth_outside_the_caches_is_reported(tmp_path, request, counter):
+    """With the process count on, a leak outside every cache (the scheduler's chains: +2 buffers
+    a step, by the exact count) is read as unattributed growth, and MLXWatchdogUnattributedGrowth
+    reaches the webhook at that rate, with the advice (its `for:` cut to 2 s; its expression, with
+    its 10-minute window, is the project's). Prometheus starts once the growth is measured: until
+    then the exporter reads 0, and the rule's 10-minute window would keep those samples for 10
+    minutes (docs/alerts.md)."""
+    require_binary("prometheus")
+    require_binary("prometheus-alertmanager", "alertmanager")
+    model = build_model("llama", layers=2)
+    wd = Watchdog(limit=10**7, name=SCHEDULER, export=False, process_count=True, walk_interval=0.1)
+    assert wd.process_count_off is None, wd.process_count_off
+    watch_model(model, wd)
+    request.addfinalizer(lambda: unwatch_model(model))
+    decode = SchedulerDecode(model, counter)
+    request.addfinalizer(decode.stop)
+    decode.start()
+
+    def measured() -> bool:
+        f = wd.forecast()
+        return f.step >= OUTSIDE_FROM and f.unattributed_buffers_per_step > 0
+
+    assert wait_for(measured, 90), f"no unattributed growth read: {wd.forecast()} ({decode.error})"
+    decode.mark()
+    webhook, metrics, prom_url, _ = start_alerting(tmp_path, request, wd, None, {OUTSIDE: "2s"})
+    got = wait_for(lambda: webhook.firing(OUTSIDE, SCHEDULER), 60)
+    decode.mark()
+    decode.stop()
+    assert decode.error is None, decode.error
+    assert got, (
+        f"{OUTSIDE} never reached the webhook in 60 s: {wd.forecast()}; "
+        f"{log_tail(tmp_path / 'prometheus.log')}"
+    )
+    (s0, n0), (s1, n1) = decode.marks
+    true_rate = (n1 - n0) / (s1 - s0)
+    assert true_rate == pytest.approx(2.0, abs=0.05), decode.marks  # the two chains, a buffer each
+
+    alert = got[0].alert
+    assert alert["labels"]["job"] == JOB and alert["labels"]["instance"] == f"{LOOPBACK}:{metrics.port}"
+    assert "rank" not in alert["labels"] and alert["labels"]["severity"] == "warning"
+    summary, description = alert["annotations"]["summary"], alert["annotations"]["description"]
+    rate = re.search(r"the process grows ([0-9.]+) buffers per step outside the caches", summary)
+    assert rate and float(rate[1]) == pytest.approx(true_rate, rel=0.15), summary
+    # No site of the watched cache grows; the advice is diagnose, not the fix.
+    assert "beyond what the named leak sites add (none of them grows)" in description, description
+    assert "mlx-watchdog diagnose" in description and "--fix" not in description, description
+    # Nothing else fired for it: the limit is far, and the watchdog measured throughout.
+    others = {
+        n.alert["labels"]["alertname"] for n in webhook.notifications if n.alert.get("status") == "firing"
+    }
+    assert others == {OUTSIDE}, others
+    assert wd.internal_errors == 0

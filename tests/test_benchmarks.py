@@ -21,10 +21,12 @@ SMALL_RUN = ["--model", "qwen3_next", "--layers", "4", "--steps", "24", "--chunk
 
 
 def test_diagnostic_variants_take_apart_what_they_say(monkeypatch):
-    """``nowalk`` observes every step and never walks, on the path of a step that walks nothing
-    (it never even asks whether a walk is due); ``wrapped`` observes nothing; ``watched`` walks
-    (a ``nowalk`` that shadowed a renamed method would be ``watched`` under another name). None
-    of them has an internal error: that would be an error path measured under the variant's name."""
+    """``nowalk`` observes every step and walks twice, at the prompt (its caches empty) and at the
+    first step (which arms what a step that walks nothing still runs: the look at the batch's rows,
+    as ``watched`` has it), and never after, on the path of a step that walks nothing (it never even asks whether a walk is due);
+    ``wrapped`` observes nothing; ``watched`` walks (a ``nowalk`` that shadowed a renamed method
+    would be ``watched`` under another name). None of them has an internal error: that would be
+    an error path measured under the variant's name."""
     import mlx.core as mx
     from decode_variants import watchdog_for
     from mlx_lm.generate import generate_step
@@ -43,7 +45,7 @@ def test_diagnostic_variants_take_apart_what_they_say(monkeypatch):
 
     monkeypatch.setattr(Schedule, "due", due)
     model = build_model("llama", layers=2)
-    seen = {}
+    seen, armed = {}, {}
     for variant in ("nowalk", "wrapped", "watched"):
         wd = watchdog_for(variant)
         watch_model(model, wd)
@@ -54,10 +56,12 @@ def test_diagnostic_variants_take_apart_what_they_say(monkeypatch):
             pass
         unwatch_model(model)
         seen[variant] = (wd.steps, wd.walks, len(asked), wd.internal_errors)
-    assert seen["nowalk"][0] >= 10 and seen["nowalk"][1:] == (0, 0, 0), seen
+        armed[variant] = wd._rows.probe is not None  # (private: what the per-step path looks at)
+    assert seen["nowalk"][0] >= 10 and seen["nowalk"][1:] == (2, 2, 0), seen
     assert seen["wrapped"] == (0, 0, 0, 0), seen
     assert seen["watched"][0] == seen["nowalk"][0] and seen["watched"][1] >= 3, seen
     assert seen["watched"][2] >= seen["watched"][1] and seen["watched"][3] == 0, seen
+    assert armed == {"nowalk": True, "wrapped": False, "watched": True}, armed
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +293,51 @@ def test_serve_shutdown_benchmark_runs(tmp_path):
     )
     (row,) = [line for line in text.splitlines() if line.startswith("| SIGINT |")]
     assert [cell.strip() for cell in row.split("|")[2:7]] == ["1", "1", "0", "0", "0"], text
+
+
+def test_census_cost_benchmark_runs(tmp_path):
+    """Both parts at their smallest, in a process of their own (it grows the process's objects):
+    the tables come out, every census named the scheduler's two chains, and the watched decode's
+    census named them too."""
+    out = tmp_path / "census_cost.md"
+    script = os.path.join(BENCHMARKS, "census_cost.py")
+    for part in (
+        ["census", "--objects", "20000,40000", "--rounds", "2"],
+        ["decode", "--program", "leak", "--objects", "20000", "--layers", "2", "--reps", "1", "--rounds", "2", "--chunk", "4"],
+    ):  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, script, *part, "--out", str(out)], capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    assert text.count("| history, score |") == 2  # census: each size, every census named both
+    assert "| `census` | wall |" in text and "| `aa` | wall |" in text  # decode, with its A/A control
+    assert "Scheduler.history" in text and "Scheduler.score" in text
+
+
+def test_paired_speed_pairs_another_version_of_the_package_in_one_process(tmp_path):
+    """``--base DIR``: the watched variants of another version (here this tree, copied) decode
+    beside this one's, paired, each without an internal error."""
+    root = os.path.dirname(BENCHMARKS)
+    records = tmp_path / "chunks.jsonl"
+    text = _run_script(
+        "paired_speed.py",
+        *("--model", "llama", "--layers", "2", "--steps", "16", "--chunk", "4", "--warmup", "4"),
+        *("--base", root, "--variants", "unwatched,watched,watched@base,nowalk@base"),
+        *("--compare", "watched:watched@base", "--jsonl", str(records)),
+    )
+    assert "| watched | watched@base |" in text and "| nowalk@base | unwatched |" in text, text
+    ends = {r["variant"]: r for r in map(json.loads, records.read_text().splitlines()) if r["type"] == "end"}
+    assert ends["watched@base"]["walks"] >= 3 and ends["nowalk@base"]["walks"] == 2, ends
+    assert all(e["internal_errors"] == 0 for v, e in ends.items() if v != "unwatched"), ends
+
+
+def test_step_cost_benchmark_runs():
+    root = os.path.dirname(BENCHMARKS)
+    text = _run_script(
+        "step_cost.py",
+        *("--version", f"one={root}", "--version", f"two={root}"),
+        *("--layers", "2", "--steps", "40", "--skip", "8", "--fix"),
+    )
+    for row in ("| one~ | one |", "| two | one |", "| two+fix | one+fix |"):
+        assert row in text, text

@@ -26,7 +26,6 @@ import math
 import re
 import subprocess
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -51,6 +50,7 @@ RULE_TESTS = GRAFANA / "rules" / "mlx-watchdog-alerts.test.yml"
 PROM_CONFIGS = [GRAFANA / "prometheus.yml", GRAFANA / "prometheus-multi-host.yml"]
 ALERTMANAGER_CONFIG = GRAFANA / "alertmanager.yml"
 FILE_SD_TARGETS = GRAFANA / "targets" / "mlx-watchdog.json"
+METRICS_DOC = ROOT / "docs" / "metrics.md"
 DS = {"type": "prometheus", "uid": "${datasource}"}
 
 # The exporter's metric contract: sample names as Prometheus stores them
@@ -80,10 +80,17 @@ CONTRACT = frozenset(
         "mlx_watchdog_last_stop_timestamp_seconds",
         "mlx_watchdog_last_stop_steps_to_limit",
         "mlx_watchdog_last_stop_leak_buffers_per_step",
+        "mlx_watchdog_fixed_leak_buffers_per_step",
+        "mlx_watchdog_unattributed_buffers_per_step",
+        "mlx_watchdog_decoding",
+        "mlx_watchdog_rate_known",
+        "mlx_watchdog_compiled_signatures",
+        "mlx_watchdog_compiled_entry_buffers",
         # counters
         "mlx_watchdog_steps_total",
         "mlx_watchdog_materialized_arrays_total",
         "mlx_watchdog_reclaimed_buffers_total",
+        "mlx_watchdog_fix_failures_total",
         "mlx_watchdog_stops_total",
         "mlx_watchdog_overhead_seconds_total",
         "mlx_watchdog_internal_errors_total",
@@ -250,6 +257,7 @@ def test_rule_tests_cover_every_alert_firing_and_silent():
         "MLXWatchdogResourceLimitSoon",
         "MLXWatchdogResourceLimitImminent",
         "MLXWatchdogLeakSiteGrowing",
+        "MLXWatchdogUnattributedGrowth",
         "MLXWatchdogTargetAbsent",
         "MLXWatchdogCannotMeasure",
     }
@@ -427,12 +435,33 @@ def test_metric_names_are_exposed_by_the_exporter():
     assert not unknown, f"metric names not in {source}: {sorted(unknown)}"
 
 
-def test_dashboard_shows_every_contract_metric():
+def test_dashboard_shows_every_exported_metric():
+    # Every metric the exporter serves is on the dashboard: a new one fails here until a panel
+    # shows it (CONTRACT, the list written here, is the exporter's own where it can be imported).
     used = {m for _, e in dashboard_queries(load_dashboard()) for m in METRIC_NAME.findall(e)}
     assert CONTRACT - used == set(), f"contract metrics missing from the dashboard: {sorted(CONTRACT - used)}"
     names, source = exposed_names()
-    if names - used:  # new exporter metrics: not an error, but the dashboard should learn them
-        warnings.warn(f"metrics from {source} not on the dashboard: {sorted(names - used)}", stacklevel=2)
+    assert names - used == set(), f"metrics from {source} not on the dashboard: {sorted(names - used)}"
+    if names is not CONTRACT:
+        assert names == CONTRACT, f"CONTRACT differs from {source}: {sorted(names ^ CONTRACT)}"
+
+
+def metrics_doc_names() -> set[str]:
+    """The sample names in docs/metrics.md's table of metrics: labels dropped, `{a,b}` spelled out."""
+    names = set()
+    for cell in re.findall(r"^\| `(mlx_watchdog_[^`]+)` \|", METRICS_DOC.read_text(encoding="utf-8"), re.M):
+        cell = re.sub(r"\{[a-z_,]+\}$", "", cell)  # the labels: `..._per_step{site}`
+        m = re.fullmatch(r"(\w+)\{([a-z,]+)\}(\w+)", cell)  # `mlx_watchdog_memory_{active,peak}_bytes`
+        names |= {m[1] + part + m[3] for part in m[2].split(",")} if m else {cell}
+    return names
+
+
+def test_every_metric_docs_metrics_md_lists_is_exported_and_on_the_dashboard():
+    documented = metrics_doc_names()
+    assert len(documented) > 30 and "mlx_watchdog_memory_cache_bytes" in documented, sorted(documented)
+    assert documented == CONTRACT, f"docs/metrics.md and CONTRACT differ: {sorted(documented ^ CONTRACT)}"
+    used = {m for _, e in dashboard_queries(load_dashboard()) for m in METRIC_NAME.findall(e)}
+    assert documented - used == set(), f"documented, not on the dashboard: {sorted(documented - used)}"
 
 
 def test_metric_name_extraction():
@@ -492,6 +521,12 @@ def synthetic_openmetrics(end: int) -> str:
         )
         add("mlx_watchdog_leak_buffers_per_step", {**labels, "site": "KVCache.keys"}, [0.0] * n)
         add("mlx_watchdog_fixed_leak_buffers_per_step", {**labels, "site": "ArraysCache.offset"}, [1.0] * n)
+        # Growth beyond the named sites (the process count's): a quarter of the leaking processes'.
+        add("mlx_watchdog_unattributed_buffers_per_step", labels, [growth / 4] * n)
+        # A training step compiled for a new batch length every 100 steps, 17 buffers an entry.
+        function = {**labels, "function": "mlx_lm.tuner.trainer.step"}
+        add("mlx_watchdog_compiled_signatures", function, [1.0 + s // 100 for s in steps])
+        add("mlx_watchdog_compiled_entry_buffers", function, [17.0] * n)
         add("mlx_watchdog_folded_leak_sites", labels, [0.0] * n)
         add("mlx_watchdog_decoding", labels, [1] * n)
         add("mlx_watchdog_rate_known", labels, [1] * n)
@@ -643,3 +678,50 @@ def test_forecast_panels_see_the_worst_rank(prometheus):
     )
     by_rank = {s["metric"].get("rank", ""): float(s["value"][1]) for s in res["data"]["result"]}
     assert math.isinf(by_rank["0"]) and by_rank["1"] < 1e6 and by_rank[""] < 1e6
+
+
+def panel_expr(title: str, ref: str = "A") -> str:
+    [panel] = [p for p in all_panels(load_dashboard()) if p["title"] == title]
+    [expr] = [t["expr"] for t in panel["targets"] if t["refId"] == ref]
+    return substitute(expr, ALL)
+
+
+def test_growth_panels_split_named_sites_from_unattributed_growth(prometheus):
+    # The synthetic processes grow `growth` a step at their one leaking site, and a quarter of it
+    # beyond (unattributed): each part is read apart, per process, and ranked among the sites.
+    growth = {(b.get("rank", ""), b["watchdog"]): g for b, g, _, _ in PROCESSES}
+
+    def by_process(expr: str) -> dict:
+        res = prometheus.query(expr)["data"]["result"]
+        return {(s["metric"].get("rank", ""), s["metric"]["watchdog"]): float(s["value"][1]) for s in res}
+
+    split = "Growth per step: named sites vs unattributed"
+    assert by_process(panel_expr(split, "A")) == growth
+    assert by_process(panel_expr(split, "B")) == {k: g / 4 for k, g in growth.items()}
+    res = prometheus.query(panel_expr("Top leak sites (buffers per step)"))["data"]["result"]
+    ranked = [(s["metric"]["site"], s["metric"]["watchdog"], float(s["value"][1])) for s in res]
+    assert sorted(ranked) == sorted(
+        [
+            ("ArraysCache.left_padding", "llama-70b", 3.0),
+            ("ArraysCache.left_padding", "qwen3-4b", 2.0),
+            ("unattributed (outside the caches)", "llama-70b", 0.75),
+            ("unattributed (outside the caches)", "qwen3-4b", 0.5),
+        ]
+    )
+
+
+def test_compiled_panels_read_one_series_per_process_and_function(prometheus):
+    # Each process's trainer step kept a signature per 100 steps (1 + steps // 100), 17 buffers
+    # each; the share of the limit is what the cache holds over the 499000-buffer limit.
+    steps = 25.0 * WINDOW  # the synthetic step rate times the window: the last sample's count
+    signatures = 1 + steps // 100
+    title = "Compiled functions: input signatures kept, buffers per entry"
+    for ref, value in (("A", signatures), ("B", 17.0)):
+        res = prometheus.query(panel_expr(title, ref))["data"]["result"]
+        assert len(res) == len(PROCESSES) and all("watchdog" not in s["metric"] for s in res), res
+        assert {float(s["value"][1]) for s in res} == {value}
+        assert {s["metric"]["function"] for s in res} == {"mlx_lm.tuner.trainer.step"}
+    res = prometheus.query(panel_expr("Compiled caches: share of the buffer limit"))["data"]["result"]
+    assert len(res) == len(PROCESSES), res
+    for s in res:
+        assert float(s["value"][1]) == pytest.approx(signatures * 17 / 499000), s

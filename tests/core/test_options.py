@@ -34,6 +34,7 @@ BAD = {
     "max_objects": [0, -3, 1e5, "100"],
     "max_depth": [0, 2.5, True],
     "process_count": ["on", "yes", 1, None],
+    "census": ["off", "no", 0, None],
 }
 
 

@@ -39,7 +39,7 @@ def watch(
     watchdog = watchdog_from(watchdog, options)
     metrics_server = None
     if metrics_port is not None:
-        from ..exporters.prometheus import start_metrics_server
+        from ..exporters.server import start_metrics_server
 
         metrics_server = start_metrics_server(metrics_port, addr=metrics_addr)
     signature = inspect.signature(fn)

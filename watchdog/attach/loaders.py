@@ -63,6 +63,7 @@ OPTIONS = (
     "max_objects",
     "max_depth",
     "process_count",
+    "census",
 )
 
 OnWatch = Callable[[Any, Any], Any]  # on_watch(watched object, its watchdog)
@@ -174,6 +175,7 @@ class Instrumentor:
 
                 training.uninstrument()
                 self._training = False
+        from ..core.live import retire
         from .model import unwatch_model, watched_state
 
         for ref, watchdog, finalizer in watched.values():
@@ -183,7 +185,7 @@ class Instrumentor:
             state = watched_state(model) if model is not None else None
             if state is not None and state.watchdog is watchdog:
                 unwatch_model(model)
-            watchdog.export = False
+            retire(watchdog)
 
     def patch(self, module: types.ModuleType) -> None:
         """Wrap ``module.load_model`` (a module of ``TARGETS``, just executed or already there)."""
@@ -211,12 +213,24 @@ class Instrumentor:
 
         @functools.wraps(original)
         def load_model(*args, **kwargs):
+            if instrumentor.active:
+                instrumentor._count_early()
             result = original(*args, **kwargs)
             if instrumentor.active:
                 instrumentor._loaded(library, result, args, kwargs)
             return result
 
         return load_model
+
+    def _count_early(self) -> None:
+        """Start the process count before the model's buffers are made: it is then every buffer
+        (``process_count.start_early``). Never raises: the program loads its model."""
+        try:
+            from ..core.process_count import start_early
+
+            start_early(self.options.get("process_count", "auto"))
+        except Exception as exc:
+            logger.info("mlx-watchdog: the process count was not started early: %r", exc)
 
     def _loaded(self, library: str, result: Any, args: Sequence, kwargs: dict) -> None:
         """Watch what a loader returned. Never raises: the program has its model."""
@@ -289,7 +303,9 @@ class Instrumentor:
         with self._lock:
             entry = self._watched.pop(token, None)
         if entry is not None:
-            entry[1].export = False
+            from ..core.live import retire
+
+            retire(entry[1])
 
 
 # --------------------------------------------------------------------------- helpers
@@ -305,9 +321,11 @@ def _stop_resetting_watchdog() -> type:
         from ..core.watchdog import Watchdog
 
         class LoadedModelWatchdog(Watchdog):
-            def observe(self, roots: Any, *, last_output: Any = None, prefill: bool = False) -> None:
+            def observe(
+                self, roots: Any, *, last_output: Any = None, prefill: bool = False, inputs: Any = None
+            ) -> None:
                 try:
-                    super().observe(roots, last_output=last_output, prefill=prefill)
+                    super().observe(roots, last_output=last_output, prefill=prefill, inputs=inputs)
                 except ResourceLimitForecast:
                     self.reset()  # the program fails the running requests and goes on
                     raise

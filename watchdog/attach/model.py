@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.options import WatchdogOptions
-from ..core.watchdog import Watchdog
+from ..core.watchdog import Watchdog, input_tokens
 
 _STATE = "_mlx_watchdog_state"
 _NEWOBJ = tuple(vars(copyreg)[name] for name in ("__newobj__", "__newobj_ex__"))  # pickle's constructors
@@ -28,6 +28,16 @@ _attach_lock = threading.RLock()
 
 class _ModelState:
     """What a watched model carries on its per-instance subclass."""
+
+    __slots__ = (
+        "watchdog",
+        "original_class",
+        "last_output",
+        "prefill_hooks",
+        "prefill_cache",
+        "blocks",
+        "restore_to",
+    )
 
     def __init__(self, watchdog: Watchdog, original_class: type):
         self.watchdog = watchdog
@@ -47,33 +57,36 @@ class _Block:
     count: int = 1
 
 
-def _observed_call(self, *args, **kwargs):
-    state: _ModelState = type(self).__dict__[_STATE]
-    watchdog = state.watchdog
-    inputs = args[0] if args else kwargs.get("inputs")
-    cache = kwargs["cache"] if "cache" in kwargs else (args[1] if len(args) > 1 else None)
-    if cache is not None:
+def _observed_call(state: _ModelState) -> Callable:
+    """The watching subclass's ``__call__``, its state bound once. Every forward runs it, right
+    after the program's own work has left the CPU's caches cold, where each step of it costs
+    (docs/internals.md, the per-step path): it reads no array (the forward's inputs go to
+    ``observe``, which looks at them only when the roots changed)."""
+    original = state.original_class
+
+    def __call__(self, *args, **kwargs):
+        inputs = args[0] if args else kwargs.get("inputs")
+        cache = kwargs["cache"] if "cache" in kwargs else (args[1] if len(args) > 1 else None)
+        if cache is None:
+            return original.__call__(self, *args, **kwargs)
+        watchdog = state.watchdog
         last, state.last_output = state.last_output, None  # hold the output for one step only
-        watchdog.observe(cache, last_output=last, prefill=_tokens(inputs) > 1)
+        watchdog.observe(cache, last_output=last, inputs=inputs)
         del last
-    output = state.original_class.__call__(self, *args, **kwargs)
-    if cache is not None:
+        output = original.__call__(self, *args, **kwargs)
         # Only the fix reads it (it waits until the program has evaluated its last output); held
         # otherwise, a prefill chunk's logits (tokens x vocabulary) would stay alive a step longer.
         state.last_output = output if watchdog.fix else None
-        if state.prefill_hooks and _tokens(inputs) > 1:
+        if state.prefill_hooks and input_tokens(inputs) > 1:
             state.prefill_cache = cache  # hooks may walk the cache too; not held past this call
             try:
                 for hook in state.prefill_hooks:
                     hook(watchdog, inputs, output)
             finally:
                 state.prefill_cache = None
-    return output
+        return output
 
-
-def _tokens(inputs: Any) -> int:
-    shape = getattr(inputs, "shape", None)
-    return int(shape[1]) if shape is not None and len(shape) >= 2 else 1
+    return __call__
 
 
 def check_options(options: dict) -> None:
@@ -124,7 +137,7 @@ def _watch(model: Any, watchdog: Watchdog) -> _ModelState:
                     (original,),
                     {
                         "__slots__": (),  # same memory layout, so classes with __slots__ work too
-                        "__call__": _observed_call,
+                        "__call__": _observed_call(state),
                         _STATE: state,
                         "__module__": original.__module__,
                         "__qualname__": original.__qualname__,

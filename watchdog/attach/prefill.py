@@ -387,8 +387,8 @@ def install(
     state.prefill_hooks[:] = [
         h for h in state.prefill_hooks if not isinstance(getattr(h, "__self__", None), PrefillGuard)
     ]
-    guard._state = state
-    guard._model = weakref.ref(model)
+    guard._state = state  # noqa: SLF001 (this module's class)
+    guard._model = weakref.ref(model)  # noqa: SLF001 (this module's class)
     state.prefill_hooks.append(guard.hook)
     watchdog.prefill_guard = guard
     if calibrate:

@@ -43,6 +43,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..core.actions import ResourceLimitForecast
+from ..core.live import retire
 from ..core.watchdog import Watchdog
 from . import distributed, prefill
 from .model import check_options, unwatch_model, watch_model, watched_state
@@ -92,7 +93,7 @@ class _Channel:
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         if isinstance(obj, ResourceLimitForecast):
-            self._hooks._stopped([self], obj)
+            self._hooks._stopped([self], obj)  # noqa: SLF001 (this module's class)
             return
         with self._lock:
             if obj is None or isinstance(obj, BaseException):
@@ -302,7 +303,7 @@ class ServerHooks:
 
     @staticmethod
     def _retire(model: Any, watchdog: Watchdog) -> None:
-        watchdog.export = False  # its series leave /metrics: the model is gone
+        retire(watchdog)  # its series leave /metrics: the model is gone
         state = watched_state(model) if model is not None else None
         if state is not None and state.watchdog is watchdog:
             unwatch_model(model)

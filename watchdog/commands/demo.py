@@ -211,7 +211,7 @@ def _log_to(console) -> logging.Handler:
 def _start_metrics(args: argparse.Namespace, console):
     if args.no_metrics:
         return None
-    from ..exporters.prometheus import start_metrics_server
+    from ..exporters.server import start_metrics_server
 
     try:
         server = start_metrics_server(args.metrics_port, addr="127.0.0.1")

@@ -427,6 +427,10 @@ def render_report(report: dict, console) -> None:
                     from ..core.compiled import ADVICE
 
                     console.print(f"  {leak['site']} keeps {leak['signatures']} input signatures: {ADVICE}")
+                from ..core import census
+
+                if census.is_outside_site(leak["site"]):  # a program object's, outside the caches
+                    console.print(f"  {leak['site']}: {census.ADVICE}")
             console.print(
                 f"  at the limit of {report['limit']:,} buffers a generation like this "
                 f"one crashes after {format_count(r['limit_step'])} tokens per sequence "

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..attach.server import ServerHooks
+from ..core.process_count import start_early
 from .common import (
     EXIT_USAGE,
     PROG,
@@ -155,6 +156,8 @@ def run(args: argparse.Namespace, server_argv: Sequence[str]) -> int:
     try:
         with hooks, _Preflight(hooks.server, metrics):
             sys.argv = [SERVER_PROG, *server_argv]
+            # Before the server loads its model: the process count is then every buffer.
+            start_early(options.get("process_count", "auto"))
             hooks.server.main()
         return 0
     except SystemExit as exc:  # mlx_lm.server's argument parser (e.g. --help, a bad option)

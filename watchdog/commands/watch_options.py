@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from ..core.options import DEFAULT_METRICS_PORT, WatchdogOptions, checked_port
+from ..core.options import DEFAULT_METRICS_PORT, WatchdogOptions, checked_port, checked_process_count, flag
 from .common import UsageError, fraction, port_number, positive_int, seconds, step_count
 
 DEFAULT_METRICS_ADDR = "127.0.0.1"
@@ -23,13 +23,14 @@ FLAGGED = (
     "overhead_budget",
     "walk_interval",
     "process_count",
+    "census",
 )
 
 
 def default_metrics_port() -> int:
     """The exporter's default (9464, plus the rank in a distributed job) when it is installed."""
     try:
-        from ..exporters.prometheus import default_metrics_port as exporter_default
+        from ..exporters.server import default_metrics_port as exporter_default
     except ImportError:
         return DEFAULT_METRICS_PORT
     try:
@@ -38,13 +39,15 @@ def default_metrics_port() -> int:
         return DEFAULT_METRICS_PORT
 
 
-# --process-count's words, and the Watchdog's values for them.
+# --process-count's words, and the Watchdog's values for them (--census's too).
 PROCESS_COUNT: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
+CENSUS = PROCESS_COUNT
 
 
 def add_watchdog_arguments(group: Any, stop_help: str) -> None:
     """``--fix``, ``--fix-every``, ``--limit``, ``--warn-within``, ``--stop-within`` (``stop_help``
-    says what a stop does), ``--overhead-budget``, ``--walk-interval``, ``--process-count``."""
+    says what a stop does), ``--overhead-budget``, ``--walk-interval``, ``--process-count``,
+    ``--census``."""
     group.add_argument(
         "--fix",
         action=argparse.BooleanOptionalAction,
@@ -100,6 +103,15 @@ def add_watchdog_arguments(group: Any, stop_help: str) -> None:
         "outside the model's caches is read too (as unattributed growth): auto (default) where "
         "its self-check passes, on (the same, a failure logged as a warning), off",
     )
+    group.add_argument(
+        "--census",
+        choices=tuple(CENSUS),
+        default="auto",
+        help="look for the program's own objects that hold lazy arrays outside the model's caches "
+        "(from the garbage collector's view, within a share of the overhead budget) and name them "
+        "as leak sites outside:<module>.<Class>.<attribute>: auto (default: on unless "
+        "MLX_WATCHDOG_CENSUS=off), on, off",
+    )
 
 
 def add_metrics_arguments(group: Any) -> None:
@@ -149,7 +161,7 @@ def metrics_server_options(args: argparse.Namespace) -> dict[str, Any]:
 def start_metrics(args: argparse.Namespace, **kwargs: Any) -> Any:
     """Start the metrics endpoint the flags describe (``kwargs``: more of ``start_metrics_server``'s
     options, e.g. its registry); ``UsageError`` naming the flags when it cannot start."""
-    from ..exporters.prometheus import start_metrics_server
+    from ..exporters.server import start_metrics_server
 
     try:
         return start_metrics_server(
@@ -169,8 +181,18 @@ def watchdog_options(args: argparse.Namespace) -> dict:
         if not isinstance(addr, str) or not addr.strip():
             raise ValueError(f"--metrics-addr must be a host name or IP address, got {addr!r}")
     given = {name: getattr(args, name, DEFAULTS[name]) for name in FLAGGED}
-    word = given["process_count"]  # --process-count's word, or a Watchdog value
-    if isinstance(word, str) and word in PROCESS_COUNT:
-        given["process_count"] = PROCESS_COUNT[word]
+    for name in ("process_count", "census"):  # an auto/on/off word, or a Watchdog value
+        given[name] = _auto_on_off(given[name], flag(name))
     options = WatchdogOptions(**given, flags=True)
     return {name: getattr(options, name) for name in FLAGGED}
+
+
+def _auto_on_off(value: Any, label: str) -> Any:
+    """An auto/on/off flag's word (--process-count, --census) as the Watchdog's value; a bad
+    word named as such (a Namespace built without the parser may hold a Watchdog value)."""
+    if isinstance(value, str) and value in PROCESS_COUNT:
+        return PROCESS_COUNT[value]
+    try:
+        return checked_process_count(value, label)
+    except ValueError:
+        raise ValueError(f"{label} must be one of auto, on, off, got {value!r}") from None

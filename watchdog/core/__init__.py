@@ -5,6 +5,8 @@ Nothing here knows how it is attached (``mlx_watchdog.attach``), run from the co
 never the reverse.
 
 * ``watchdog.py``: ``Watchdog``: ``observe`` at each step, ``forecast``, the fix and the actions.
+  ``snapshot.py``: what the exporters read of one, at one moment; ``live.py``: the live watchdogs
+  and which of them the metrics endpoint shows.
 * Reading the caches: ``objects.py`` reads Python objects through their types only (no program
   code runs); ``arrays.py`` finds every ``mx.array`` reachable from the roots, with its path and
   site; ``caches.py`` keeps the caches followed (every live cache seen in a forward);
@@ -27,6 +29,8 @@ never the reverse.
 * ``clock.py``: every clock the watchdog reads (wall and CPU time), read from there alone.
 * ``compiled.py``: the compiled functions of the process (``mx.compile``'s cache entries, one per
   input signature), a site ``compiled:<function>`` of every watchdog's reading.
+* ``census.py``: the program's own objects that hold pending arrays outside the caches, found from
+  the garbage collector's view, each attribute a site ``outside:<module>.<Class>.<attribute>``.
 * ``limits.py`` (the device's buffer limit, an exact counter where MLX has one),
   ``options.py`` (the bounds of every option), ``chunks.py`` (a prefill chunk's buffers as a
   line over its length, and the largest chunk under a budget).

@@ -22,9 +22,9 @@ PROBE_STEPS = (1, 2, 3)  # lengths of the fix-mode probes, in turn
 PROBES_FIRST = 8  # the dense walks of a new series (schedule.DENSE_OFFSETS) all probe
 PROBE_EVERY = 4
 FULL_SWEEP_FIXES = 16  # between walks, every 16th fix re-reads every cache array, not only the pending ones
-# A fix that meets long chains (the first after a long decode unfixed: 470k pending nodes took 5 s
-# of one step) cuts them a share a step, about this many nodes (tens of ms), in steps that walk
-# nothing. A chain is cut whole: one longer than this is a step's share alone.
+# A fix that meets long chains (the first after a long decode unfixed), cut all at once, stalls a
+# step for seconds: it cuts them a share a step, about this many nodes, in steps that walk nothing.
+# A chain is cut whole: one longer than this is a step's share alone.
 FIX_NODES = 5000
 
 

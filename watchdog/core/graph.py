@@ -32,8 +32,8 @@ import mlx.core as mx
 from . import clock, descriptor
 
 # One array line of ours ends `"n3"; }` (an edge reads `"n3" -> 12`): found by its literal start,
-# which the regex engine searches for fast, where a pattern anchored at each line start tried
-# every line (60-90 ms of parse for a 10,000-node chain, as long as the export itself).
+# which the regex engine searches for fast; a pattern anchored at each line start tried every line,
+# and took as long as the export itself.
 _OURS = re.compile(r'"n(\d+)"; \}')
 # What starts that line: evaluated, or pending (`{ "n3"; }` / `{ rank=sink; "n3"; }`).
 _EVALUATED_HEAD = "{ rank=source; "

@@ -72,22 +72,31 @@ class Chain:
     cuts: int = 0
     longest: int = 1  # steps between two cuts seen, at most
     readings: int = 0  # since the last cut seen
-    walked: bool = False  # its last reading walked it (else that reading is an estimate)
+    # What it retained at its last walk (None: never walked). A sampled reading walks a site's
+    # chains in turn and estimates the others from their last walk and the gains of the site's
+    # longest chain, walked at every reading. A cut is read between two walks of the chain, or
+    # where its estimate fell: the longest chain of its site was seen cut (the program cuts the
+    # site's chains; one it leaves alone stays the longest, and its gains hold no fall).
+    last_walk: float | None = None
     survived: bool = False  # walked before and after a cut of others of its site, and not cut
     history: dict[int, float] = dataclasses.field(default_factory=dict)  # step -> retained
 
     def read(self, step: int, retained: float, walked: bool) -> bool:
         """One reading; True when it sees a cut."""
-        fall = self.retained - retained
-        cut = walked and self.walked and fall >= CUT_BUFFERS and fall >= CUT_SHARE * self.retained
+        before = self.last_walk if walked else self.retained
+        fall = 0.0 if before is None else before - retained
+        cut = fall >= CUT_BUFFERS and fall >= CUT_SHARE * (before or 0.0)
         if cut:
             self.cuts += 1
             self.peak = max(self.peak, self.top)
             self.longest = max(self.longest, step - self.start)
             self.start, self.top, self.readings, self.survived = step, 0.0, 0, False
+            self.last_walk = None  # (a later walk is read against walks after this cut)
         elif self.cuts and self.overdue(step, retained):
             self.cuts, self.peak = 0, 0.0  # a leak again: its readings count from here on
-        self.retained, self.step, self.walked = retained, step, walked
+        self.retained, self.step = retained, step
+        if walked:
+            self.last_walk = retained
         self.top = max(self.top, retained)
         self.readings += 1
         if retained:  # (none: what it retained at a step not in it)
@@ -139,6 +148,8 @@ class SiteSeries:
         for key, ref, retained, walked in tally.chains:
             chain = chains.get(key)
             if chain is None or chain.ref is not ref:  # a new array, or another cache at that id
+                if chain is not None:  # its readings stay subtracted while the window holds them
+                    chains[("gone", id(chain))] = chains.pop(key)
                 if not retained:  # an evaluated array (most of them): no chain to follow yet
                     chains.pop(key, None)
                     continue

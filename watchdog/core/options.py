@@ -141,6 +141,7 @@ class WatchdogOptions:
     max_objects: int = MAX_OBJECTS
     max_depth: int = MAX_DEPTH
     process_count: bool | str = "auto"
+    census: bool | str = "auto"
     flags: dataclasses.InitVar[bool] = False
 
     def __post_init__(self, flags: bool) -> None:
@@ -172,4 +173,5 @@ _CHECKS: dict[str, Callable[[Any, str], Any]] = {
     "max_objects": checked_positive_int,
     "max_depth": checked_positive_int,
     "process_count": checked_process_count,
+    "census": checked_process_count,
 }

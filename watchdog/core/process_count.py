@@ -9,7 +9,12 @@ object for wrappers that move one atomic counter (non-empty buffers made minus t
 
 It counts from its install on (the first ``Watchdog`` that asks for it): buffers made before are
 not known, and their frees count -1. So it is read as the watchdog reads growth: at each walk,
-what the process holds beyond what the walk counted in the caches, from the first reading on. The
+what the process holds beyond what the walk counted in the caches, from the first reading on.
+A launcher (``serve``, ``run``, ``instrument()`` as mlx-lm's loader is imported) installs it
+before the program loads its model (``start_early``): where MLX then holds next to nothing (a
+random key), it counts every buffer, and what the process holds beyond the caches is read whole
+from the first reading, not only what it gains after it (a server's own arrays, its prompt
+cache, what MLX holds with no Python reference: 46-53 buffers in a busy tiny server). The
 walk's own rate stays its own (exact for the caches); this part's growth is added to it, as
 growth no named site explains (``Forecast.unattributed_buffers_per_step``).
 
@@ -44,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -86,11 +91,15 @@ OUTSIDE_RISE = (
     4  # buffers its floor must rise by over each half of them at least (a decode's start makes a few)
 )
 LEVEL_READINGS = 3  # what it holds now: the lowest of the last readings
+# At most this many bytes alive in MLX when a launcher installs the count (importing mlx-lm makes
+# an 8-byte random key): it then counts every buffer, but for a few.
+EARLY_BYTES = 1024
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None  # kept for the process's life once installed: the vtable points into it
 _failure: str | None = None  # why the count is off for this process (set once)
 _told = False
+_whole = False  # installed by start_early while MLX held next to nothing: the count is every buffer
 
 
 class ProcessCounter:
@@ -104,16 +113,34 @@ class ProcessCounter:
 
     name = "process"  # Forecast.source
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, whole: bool = False):
         self._lib = lib
         self._marked = False
         self.last_raw = 0  # the raw count of the last reading
-        self._origin: float | None = None  # beyond the walk at the first reading
+        # Beyond the walk at the first reading, not known to be growth (0: the count is every
+        # buffer, so all that the process holds beyond the caches is resident).
+        self._origin: float | None = 0.0 if whole else None
         self._first_step = 0
         self.outside: collections.deque[tuple[int, float]] = collections.deque(maxlen=OUTSIDE_WINDOW)
         # The highest spike above the floor each reading saw (noise, for the readings after it).
         self.spikes: collections.deque[float] = collections.deque(maxlen=2 * OUTSIDE_WINDOW)
         self.rate = 0.0  # buffers per step the process grows outside the caches read
+        # (resident, raw count) of the last reading, one tuple: the exporter's thread reads it
+        self._base: tuple[float, int] | None = None
+        # Called at the entry of each step (an atomic store; the C function itself, no Python
+        # frame: every step): the count between walks is the lowest since then, so what the step
+        # before made is in it and its temporaries, freed, are not.
+        self.step: Callable[[], object] = lib.low_reset
+        lib.low_reset()
+
+    def resident_now(self) -> float | None:
+        """The resident count now, from any thread: the last reading's, moved as the count moved
+        since (a request joined or left, caches died, the fix cut chains: all of it as it happens,
+        with no walk), by the lowest count since this step's entry. None before a reading."""
+        base = self._base
+        if base is None:
+            return None
+        return base[0] + int(self._lib.low()) - base[1]
 
     def raw(self) -> int:
         """Non-empty buffers made minus those freed since the install (may be negative)."""
@@ -131,14 +158,18 @@ class ProcessCounter:
         self._marked = False
         beyond = raw - walked
         if self._origin is None:
-            self._origin, self._first_step = beyond, step
+            self._origin = beyond
+        if not self.outside:
+            self._first_step = step
         if step - self._first_step >= OUTSIDE_SETTLE or not self.outside:
             self.outside.append((step, beyond - self._origin))
         self.rate, spike = outside_rate(self.outside, max(self.spikes, default=0.0))
         self.spikes.append(spike)
         # A spike of temporaries in the latest reading is not held: the lowest of the last few.
         level = min(value for _, value in list(self.outside)[-LEVEL_READINGS:])
-        return walked + max(0.0, level)
+        resident = walked + max(0.0, level)
+        self._base = (resident, raw)
+        return resident
 
 
 def outside_rate(readings: Sequence[tuple[int, float]], noise: float = 0.0) -> tuple[float, float]:
@@ -228,7 +259,27 @@ def counter(mode: bool | str = "auto") -> tuple[ProcessCounter | None, str | Non
         _tell(failure, loud=mode is True)
     if lib is None:
         return None, failure
-    return ProcessCounter(lib), None
+    return ProcessCounter(lib, whole=_whole), None
+
+
+def start_early(mode: bool | str = "auto") -> None:
+    """Install the count now, before the program loads its model (a launcher's first step), as
+    ``counter(mode)`` would: where MLX holds next to nothing yet, the count is then every buffer
+    of the process. Never raises."""
+    global _whole
+    try:
+        import mlx.core as mx
+
+        before = mx.get_active_memory()
+    except Exception:  # no MLX: counter() says why when a watchdog asks
+        return
+    with _lock:
+        fresh = _lib is None and _failure is None
+    if not fresh:
+        return
+    counter(mode)
+    with _lock:
+        _whole = _lib is not None and before <= EARLY_BYTES
 
 
 def status() -> str:

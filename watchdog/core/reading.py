@@ -105,6 +105,20 @@ class Reading:
         total = sum(freed.values())
         return dataclasses.replace(self, by_cache=tuple(by_cache), resident=self.resident - total)
 
+    def with_outside(self, held: float, sites: Mapping[str, SiteTally]) -> Reading:
+        """The reading with ``held`` buffers of the program's own objects outside the caches
+        (``census.py``): resident, and in the growth's sample, under ``sites`` of their own."""
+        if not held and not sites:
+            return self
+        by_site = {**self.by_site, **sites}
+        return dataclasses.replace(
+            self,
+            resident=self.resident + held,
+            walked=self.walked + held,
+            sample=None if self.sample is None else self.sample + held,
+            by_site=types.MappingProxyType(by_site),
+        )
+
     def gone(self) -> tuple[float, float]:
         """What the caches dead since the reading took with them: their buffers, and the share of
         the growth that goes on in the caches alive (chains grow, evaluated arrays do not)."""
@@ -120,12 +134,29 @@ class Reading:
 
 
 @dataclasses.dataclass(slots=True)
-class _Site:  # a SiteTally being counted
+class SiteCount:
+    """A site's arrays being counted (``read()``, the census's objects): ``tally()`` is the value."""
+
     held: int = 0
     retained: float = 0.0
     paths: list[str] = dataclasses.field(default_factory=list)
     arrays: int = 0
     chains: list[tuple[tuple, Any, float, bool]] = dataclasses.field(default_factory=list)
+
+    def add(self, key: tuple, ref: Any, path: str, done: bool, retained: float, walked: bool) -> None:
+        """One array of the site: evaluated (``done``, a buffer) or pending, retaining ``retained``
+        (``walked``: read whole now, not estimated)."""
+        self.arrays += 1
+        self.chains.append((key, ref, 0.0 if done else retained, done or walked))
+        if done:
+            self.held += 1
+            return
+        self.retained += retained
+        if retained and len(self.paths) < MAX_PATHS_PER_SITE:
+            self.paths.append(path)
+
+    def tally(self) -> SiteTally:
+        return SiteTally(self.held, self.retained, tuple(self.paths), self.arrays, tuple(self.chains))
 
 
 @dataclasses.dataclass(slots=True)
@@ -135,7 +166,7 @@ class _Cache:  # a CacheTally being counted
     retained: float = 0.0
 
 
-def read(
+def read(  # noqa: PLR0913  (keyword-only: what one walk measured, named)
     found: Sequence[FoundArray],
     evaluated: Sequence[bool],
     retained: Sequence[float],
@@ -169,7 +200,7 @@ def read(
     has one: what is resident. ``fixing``: the fix has run, and cuts what pending graphs retain;
     ``fixed_at``: the step of its last run."""
     by_cache: dict[int, _Cache] = {}
-    sites: dict[str, _Site] = {}
+    sites: dict[str, SiteCount] = {}
     kept_buffers = kept_retained = 0.0
     kept_pending = 0
     for index, (f, key, done, held) in enumerate(zip(found, keys, evaluated, retained)):
@@ -185,22 +216,14 @@ def read(
             cache = by_cache[key[0]] = _Cache(refs.get(key[0]))
         site = sites.get(f.site)
         if site is None:
-            site = sites[f.site] = _Site()
-        site.arrays += 1
-        site.chains.append((key, cache.ref, 0.0 if done else held, done or walked is None or index in walked))
+            site = sites[f.site] = SiteCount()
+        site.add(key, cache.ref, f.path, done, held, walked is None or index in walked)
         if done:
             cache.buffers += 1
-            site.held += 1
         else:
             cache.buffers += held
             cache.retained += held
-            site.retained += held
-            if held and len(site.paths) < MAX_PATHS_PER_SITE:
-                site.paths.append(f.path)
-    by_site = {
-        name: SiteTally(site.held, site.retained, tuple(site.paths), site.arrays, tuple(site.chains))
-        for name, site in sites.items()
-    }
+    by_site = {name: site.tally() for name, site in sites.items()}
 
     cache_buffers = sum(evaluated)
     retained_buffers = sum(retained)

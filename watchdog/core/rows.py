@@ -18,9 +18,16 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+import mlx.core as mx
+
 from .arrays import Found, resolve, steps_key
 from .fix import resolvable
-from .objects import array_shape
+from .objects import INLINE_VALUES, array_shape, info
+
+_mro = type.__dict__["__mro__"].__get__
+_type_dict = type.__dict__["__dict__"].__get__
+_getattribute = object.__getattribute__
+_shape = mx.array.__dict__["shape"].__get__
 
 EVERY = 4  # steps between two looks at the rows
 RUN_LIMIT = 3  # an array whose rows changed at this many looks in a row is no batch
@@ -34,6 +41,9 @@ class RowsWatch:
         self._dropped: set[tuple] = set()
         self._last_change = -EVERY - 1  # step
         self._run = 0
+        # The probe's path as the types met along it (_route), for the look; made at its first look.
+        self._route: tuple | None = None
+        self._route_path: tuple | None = None
 
     def forget(self) -> None:
         """Other roots: their paths lead elsewhere."""
@@ -66,7 +76,13 @@ class RowsWatch:
         """Every ``EVERY`` steps: has the watched array another number of rows than it had?"""
         path, rows = self.probe  # type: ignore[misc]
         try:
-            now = array_shape(resolve(roots, path))[0]
+            route = self._route
+            if route is None or self._route_path is not path:
+                route = self._route = _route(roots, path)
+                self._route_path = path
+            now = _rows_by_route(roots, route) if route else None
+            if now is None:
+                now = array_shape(resolve(roots, path))[0]
         except Exception:  # the structure changed: gone until the next walk
             self.probe = None
             return True
@@ -80,3 +96,57 @@ class RowsWatch:
             return False
         self.probe = (path, now)
         return True
+
+
+# The look at the rows runs on the per-step path (every EVERY steps), where ``resolve`` costs what
+# its generality does (each step's type looked up, a class's attributes checked along its MRO: ~300
+# bytecodes for ``[3].keys``). A route is the path as the types it met at its first look; a look
+# reads by it while every object along it has the type it had then, and reads the same objects
+# ``resolve`` would, by the same rules: an item of a builtin list or tuple, an attribute that no
+# class along the (unchanged) MRO defines, read from the instance without running its class's code.
+# Anything else (another type, a class that since defines the name) goes through ``resolve``.
+
+
+def _route(roots: Any, path: tuple) -> tuple:
+    """(item?, key, type, its MRO, the MRO's dicts) for each step of ``path`` from ``roots``;
+    () when a step is not one a route reads (the look then takes ``resolve`` every time)."""
+    route: list[tuple[bool, Any, type, Any, tuple]] = []
+    value = roots
+    for kind, key in path:
+        cls = type(value)
+        if kind == "item" and (cls is list or cls is tuple) and type(key) is int:
+            route.append((True, key, cls, None, ()))
+            value = value[key]
+        elif kind == "attr" and type(key) is str and INLINE_VALUES and info(cls).attrs_dict is not None:
+            mro = _mro(cls)
+            dicts = tuple(_type_dict(klass) for klass in mro)
+            if any(key in d for d in dicts):  # a class attribute: resolve tells it from the instance's
+                return ()
+            route.append((False, key, cls, mro, dicts))
+            value = _getattribute(value, key)
+        else:
+            return ()
+    return tuple(route) if type(value) is mx.array else ()
+
+
+def _rows_by_route(roots: Any, route: tuple) -> int | None:
+    """The first dimension of the array ``route`` leads to, or None where it does not hold."""
+    value = roots
+    try:
+        for item, key, cls, mro, dicts in route:
+            if type(value) is not cls:
+                return None
+            if not item:
+                if _mro(cls) is not mro:
+                    return None
+                for d in dicts:
+                    if key in d:
+                        return None
+                value = _getattribute(value, key)
+            else:
+                value = value[key]  # a builtin list's or tuple's
+    except (IndexError, AttributeError):  # not there now: resolve says so
+        return None
+    if type(value) is not mx.array:
+        return None
+    return _shape(value)[0]

@@ -158,6 +158,25 @@ class _Walked(NamedTuple):
     shape: tuple[int, ...]  # a batch change (a gather, a concatenation) changes it
 
 
+class _Probe(NamedTuple):
+    """The first reading's walk of one pending array per site (``Sampler._probe``)."""
+
+    evaluated: list[bool]  # per array found
+    by_site: dict[str, list[int]]  # the pending arrays' indices, by site (the first one walked)
+    walked: dict[str, tuple[float, float]]  # the walked one's (retained, nodes), by site
+
+
+_Group = tuple[str, int | None]  # pending arrays walked before by site; never walked, by site and root
+
+
+class _InTurn(NamedTuple):
+    """A pending array a sample may walk in turn, if it fits."""
+
+    i: int  # in the arrays found
+    nodes: float  # expected
+    first: bool  # the first of its group: walked from the allowance for short chains if need be
+
+
 def _pending_by_site(found: Sequence[Found], evaluated: Sequence[bool]) -> dict[str, list[int]]:
     by_site: dict[str, list[int]] = {}
     for i, done in enumerate(evaluated):
@@ -218,9 +237,8 @@ class Sampler:
             reading = Reading(list(found), [True] * n, [0.0] * n, [0.0] * n, 0, 0.0)
         elif predicted <= limit:
             reading = self._read_all(found, predicted)
-        elif (
-            probe is not None
-        ):  # the probe was the sample: walking one array a site again would double the stall
+        elif probe is not None:
+            # The probe was the sample: walking one array a site again would double the stall.
             reading = self._read_probe(found, probe)
         else:
             reading = self._read_sample(found, step, predicted, limit)
@@ -229,36 +247,30 @@ class Sampler:
         self._learn(reading, step)
         return reading
 
-    def _probe(self, found: Sequence[Found], step: int) -> tuple | None:
+    def _probe(self, found: Sequence[Found], step: int) -> _Probe | None:
         """Nothing read yet (a watchdog attached to caches that may already hold deep chains):
-        walk one pending array per site first, and predict the rest from it. Returns
-        (evaluated flags, pending indices by site, the walked one's (retained, nodes) by site);
-        None: none pending."""
+        walk one pending array per site first, and predict the rest from it. None: none pending."""
         evaluated = [is_evaluated(f.array) for f in found]
-        by_site: dict[str, list[int]] = {}
-        for i, done in enumerate(evaluated):
-            if not done:
-                by_site.setdefault(found[i].site, []).append(i)
+        by_site = _pending_by_site(found, evaluated)
         if not by_site:
             return None
-        graph = account([found[indices[0]].array for indices in by_site.values()])
+        counts = account([found[indices[0]].array for indices in by_site.values()])
         walked = {}
         for (site, indices), nodes, retained in zip(
-            by_site.items(), graph.nodes_by_array, graph.retained_by_array
+            by_site.items(), counts.nodes_by_array, counts.retained_by_array
         ):
             self._sizes[site] = _SiteSize(float(nodes), float(retained), step, 0.0, 0.0, len(indices))
             walked[site] = (float(retained), float(nodes))
-        return evaluated, by_site, walked
+        return _Probe(evaluated, by_site, walked)
 
-    def _read_probe(self, found: Sequence[Found], probe: tuple) -> Reading:
-        evaluated, by_site, walked = probe
+    def _read_probe(self, found: Sequence[Found], probe: _Probe) -> Reading:
         retained = [0.0] * len(found)
         nodes = [0.0] * len(found)
-        for site, indices in by_site.items():
+        for site, indices in probe.by_site.items():
             for i in indices:  # each like the one walked of its site
-                retained[i], nodes[i] = walked[site]
-        firsts = {indices[0] for indices in by_site.values()}
-        return Reading(list(found), evaluated, retained, nodes, len(firsts), 0.0, firsts)
+                retained[i], nodes[i] = probe.walked[site]
+        firsts = {indices[0] for indices in probe.by_site.values()}
+        return Reading(list(found), probe.evaluated, retained, nodes, len(firsts), 0.0, firsts)
 
     def forget(self) -> None:
         """Another decode: what was walked before names other arrays now."""
@@ -271,22 +283,40 @@ class Sampler:
     # ------------------------------------------------------------------ readings
 
     def _read_all(self, found: Sequence[Found], predicted: float | None) -> Reading:
-        graph = account([f.array for f in found], nodes_hint=None if predicted is None else int(predicted))
+        counts = account([f.array for f in found], nodes_hint=None if predicted is None else int(predicted))
         return Reading(
             list(found),
-            graph.evaluated_by_array,
-            [float(r) for r in graph.retained_by_array],
-            [float(n) for n in graph.nodes_by_array],
-            graph.pending_arrays,
+            counts.evaluated_by_array,
+            [float(r) for r in counts.retained_by_array],
+            [float(n) for n in counts.nodes_by_array],
+            counts.pending_arrays,
             0.0,
         )
 
     def _read_sample(self, found: Sequence[Found], step: int, predicted: float, limit: int) -> Reading:
+        """Walk what the stall budget allows, every site's reference first, and read the others from
+        their last walk and their site's gain since, or like those walked (the module's docstring)."""
         evaluated = [is_evaluated(f.array) for f in found]
-        # Pending arrays by site, in turn; those never walked (a request's new caches, a site never
-        # seen), by site and root: their sizes are not their site's, and a root's are alike.
-        groups: dict[tuple[str, int | None], list[int]] = {}
-        chosen: list[int] = []  # walked whatever they cost: each site's clock, still arrays moved
+        groups, moved = self._group_pending(found, evaluated, step)
+        references, always, in_turn = self._take_turns(found, step, groups, share=limit / predicted)
+        chosen = moved + always
+        chosen += self._within_budget(found, step, chosen, in_turn, limit)
+        deepest = max(
+            (self._sizes[site].at(step)[0] for site, _ in groups if site in self._sizes), default=0.0
+        )
+        retained, nodes, walked = self._walk(found, evaluated, chosen, deepest)
+        self._estimate_the_rest(found, evaluated, step, references, walked, retained, nodes)
+        return Reading(list(found), evaluated, retained, nodes, len(walked), 0.0, walked)
+
+    def _group_pending(
+        self, found: Sequence[Found], evaluated: Sequence[bool], step: int
+    ) -> tuple[dict[_Group, list[int]], list[int]]:
+        """The pending arrays by site, to walk in turn; those never walked (a request's new caches,
+        a site never seen) by site and root: their sizes are not their site's, and a root's are
+        alike. Returns the groups, and the still arrays a batch change moved: to walk whatever they
+        cost. Notes the arrays that joined a site already read."""
+        groups: dict[_Group, list[int]] = {}
+        moved: list[int] = []
         read_before = {
             f.site for f, done in zip(found, evaluated) if not done and self._history(f) is not None
         }
@@ -299,24 +329,37 @@ class Sampler:
                 if last is not None and last.still and last.shape != array_shape(found[i].array):
                     # A batch change moves a still array too, and no clock carries it there: its
                     # chain is short (the program cuts it), so walk it.
-                    chosen.append(i)
+                    moved.append(i)
                 else:
                     groups.setdefault((site, None if last is not None else found[i].root), []).append(i)
+        return groups, moved
+
+    def _take_turns(
+        self,
+        found: Sequence[Found],
+        step: int,
+        groups: dict[_Group, list[int]],
+        share: float,
+    ) -> tuple[dict[str, int], list[int], list[_InTurn]]:
+        """What each group walks whatever it costs: the reference of a site walked before (its
+        clock), one array of a site never seen; and ``share`` of its other arrays, this reading's
+        turn of them, to walk if they fit. Returns the references by site, the arrays walked
+        whatever they cost, and those in turn."""
         references: dict[str, int] = {}
-        share = limit / predicted  # of each site's pending arrays, this many walk
+        always: list[int] = []
+        in_turn: list[_InTurn] = []
         self._turn += 1
-        extra: list[tuple[int, float, bool]] = []  # in turn: nodes expected, first of its group
         for (site, root), indices in groups.items():
             quota = int(len(indices) * share)
             if root is None:  # walked before: its site's reference every time, the others in turn
                 reference = references[site] = self._reference(found, indices)
-                chosen.append(reference)
+                always.append(reference)
                 indices = [i for i in indices if i != reference]
                 quota -= 1
                 if not indices:
                     continue
             elif site not in self._sizes:  # a site never seen: one of it, whatever it costs
-                chosen.append(indices[0])
+                always.append(indices[0])
                 indices = indices[1:]
                 if not indices:
                     continue
@@ -324,72 +367,108 @@ class Sampler:
             start = (self._turn * k) % len(indices)
             for j in range(k):
                 i = indices[(start + j) % len(indices)]
-                extra.append((i, self._expected_nodes(found[i], step), j == 0))
-        # The walk is bounded by the stall budget: beyond the clocks, arrays in turn while their
-        # nodes fit, and the first of each group from a small allowance besides (a few ms), so that
-        # short chains keep rotating however low the budget. Those left out are read from their
-        # last walk and their site's gain, or like their site.
+                in_turn.append(_InTurn(i, self._expected_nodes(found[i], step), j == 0))
+        return references, always, in_turn
+
+    def _within_budget(
+        self, found: Sequence[Found], step: int, chosen: list[int], in_turn: list[_InTurn], limit: int
+    ) -> list[int]:
+        """Of the arrays in turn, those the stall budget leaves room for beyond ``chosen``, and the
+        first of each group from a small allowance besides, so that short chains keep rotating
+        however low the budget. Those left out are read from their last walk and their site's
+        gain, or like their site."""
         room = limit - sum(self._expected_nodes(found[i], step) for i in chosen)
         allowance = float(SHORT_CHAIN_NODES)
-        for i, expected, first in extra:
-            if expected <= room:
-                room -= expected
-            elif first and expected <= allowance:
-                allowance -= expected
+        fits = []
+        for candidate in in_turn:
+            if candidate.nodes <= room:
+                room -= candidate.nodes
+            elif candidate.first and candidate.nodes <= allowance:
+                allowance -= candidate.nodes
             else:
                 continue
-            chosen.append(i)
-        walked_set = set(chosen)
+            fits.append(candidate.i)
+        return fits
+
+    def _walk(
+        self, found: Sequence[Found], evaluated: list[bool], chosen: list[int], deepest: float
+    ) -> tuple[list[float], list[float], set[int]]:
+        """Walk the chosen arrays: (retained, nodes) per array, 0 for those not walked, and the
+        pending ones walked."""
+        walked = set(chosen)
         # Evaluated arrays go in too (one line each): a pending graph that reads one of them
         # then names it as ours, and it is not counted twice.
         order = [i for i, done in enumerate(evaluated) if done] + sorted(chosen)
-        deepest = max(
-            (self._sizes[site].at(step)[0] for site, _ in groups if site in self._sizes), default=0.0
-        )
         try:
-            graph = account([found[i].array for i in order], nodes_hint=int(deepest))
+            counts = account([found[i].array for i in order], nodes_hint=int(deepest))
         except TooDeep:  # a single chain deeper than any stack here: leave it to the estimate
-            graph = account([found[i].array for i in order if evaluated[i]])
+            counts = account([found[i].array for i in order if evaluated[i]])
             order = [i for i in order if evaluated[i]]
-            walked_set = set()
+            walked = set()
         retained = [0.0] * len(found)
         nodes = [0.0] * len(found)
         for position, i in enumerate(order):
-            retained[i] = float(graph.retained_by_array[position])
-            nodes[i] = float(graph.nodes_by_array[position])
+            retained[i] = float(counts.retained_by_array[position])
+            nodes[i] = float(counts.nodes_by_array[position])
+        return retained, nodes, walked
+
+    def _estimate_the_rest(
+        self,
+        found: Sequence[Found],
+        evaluated: list[bool],
+        step: int,
+        references: dict[str, int],
+        walked: set[int],
+        retained: list[float],
+        nodes: list[float],
+    ) -> None:
+        """Move each site's clock to ``step``, and fill in ``retained`` and ``nodes`` of the pending
+        arrays not walked."""
         for site, indices in _pending_by_site(found, evaluated).items():
-            walked = [i for i in indices if i in walked_set]
-            walked_new = [i for i in walked if self._history(found[i]) is None]
-            self._tick(
-                site, step, found, references.get(site), retained, nodes
-            )  # marks this step: the gains below are read from it
-            size = self._sizes.get(site)
+            walked_here = [i for i in indices if i in walked]
+            walked_new = [i for i in walked_here if self._history(found[i]) is None]
+            # Marks this step: the gains below are read from it.
+            self._tick(site, step, found, references.get(site), retained, nodes)
             for i in indices:
-                if i in walked_set:
+                if i in walked:
                     continue
-                last = self._history(found[i])
-                if last is not None:  # its own last walk, and what its site gained since (still: none)
-                    gain = (0.0, 0.0) if last.still else self._clocks[site].since(last.step, step)
-                    retained[i] = max(0.0, last.retained + gain[0])
-                    nodes[i] = max(0.0, last.nodes + gain[1])
-                    continue
-                joined = self._joined.get(self._key(found[i]))
-                if joined is not None and self._clocks[site].gained(joined) is not None:
-                    # Joined the site since it was read: what the site gained since (its own
-                    # chain from before, a prompt's, is not known: low by that).
-                    retained[i], nodes[i] = self._clocks[site].since(joined, step)
-                    continue
-                # Never walked: another cache (a request's new one) like those of its own walked
-                # now. The observed roots' own caches mix old chains not walked yet with a joining
-                # request's short ones: like those walked before (high, not low), or else like its site.
-                like = [j for j in walked_new if found[j].root == found[i].root] if found[i].root else []
-                like = like or [j for j in walked if j not in walked_new] or walked
-                if like:
-                    retained[i] = sum(retained[j] for j in like) / len(like)
-                    nodes[i] = sum(nodes[j] for j in like) / len(like)
-                elif size is not None:
-                    nodes[i], retained[i] = size.at(step)
-        return Reading(list(found), evaluated, retained, nodes, len(walked_set), 0.0, walked_set)
+                estimate = self._since_read(found[i], step)
+                if estimate is None:
+                    # Never walked: another cache (a request's new one) like those of its own
+                    # walked now. The observed roots' own caches mix old chains not walked yet with
+                    # a joining request's short ones: like those walked before (high, not low), or
+                    # else like its site.
+                    like = [j for j in walked_new if found[j].root == found[i].root] if found[i].root else []
+                    like = like or [j for j in walked_here if j not in walked_new] or walked_here
+                    estimate = self._like_walked(found[i], step, like, retained, nodes)
+                retained[i], nodes[i] = estimate
+
+    def _since_read(self, f: Found, step: int) -> tuple[float, float] | None:
+        """(retained, nodes) of an array read before: its own last walk and what its site gained
+        since (still: nothing); or, joined the site since the site was read, what the site gained
+        since (its own chain from before, a prompt's, is not known: low by that). None: neither."""
+        clock = self._clocks[f.site]
+        last = self._history(f)
+        if last is not None:
+            gain = (0.0, 0.0) if last.still else clock.since(last.step, step)
+            return max(0.0, last.retained + gain[0]), max(0.0, last.nodes + gain[1])
+        joined = self._joined.get(self._key(f))
+        if joined is not None and clock.gained(joined) is not None:
+            return clock.since(joined, step)
+        return None
+
+    def _like_walked(
+        self, f: Found, step: int, like: list[int], retained: list[float], nodes: list[float]
+    ) -> tuple[float, float]:
+        """(retained, nodes) of an array never read: the mean of those ``like`` it, walked now, or
+        else its site's size (nothing, for a site never seen)."""
+        if like:
+            return sum(retained[j] for j in like) / len(like), sum(nodes[j] for j in like) / len(like)
+        size = self._sizes.get(f.site)
+        if size is None:
+            return 0.0, 0.0
+        site_nodes, site_retained = size.at(step)
+        return site_retained, site_nodes
 
     def _expected_nodes(self, f: Found, step: int) -> float:
         """The nodes ``f``'s graph is expected to have at ``step``: its last walk and its site's

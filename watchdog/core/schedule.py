@@ -22,13 +22,13 @@ owed walks are few. One-off costs (first calls, imports) are paid when the watch
 charged here.
 
 No reading stays stale for good, whatever spent the budget (the fix and every step's own time fill
-it in a busy ``--fix`` server, where the routine walks then never ran: a reading froze for 900
-steps while requests came and went). Two more walks are owed, sized by the walks' own CPU work, so
-that they cost a bounded share of decode whatever the budget says:
+it in a busy ``--fix`` server, where the routine walks then never ran: a reading froze while
+requests came and went). Two more walks are owed, sized by the walks' own CPU work, so that they
+cost a bounded share of decode whatever the budget says:
 
 * the caches changed since the last reading (a request joined, left, a batch changed in place):
   the walk of the change is owed once the decode since the last walk has paid for it at
-  ``REFRESH_SHARE`` of the budget (a walk of 1-2 ms of CPU on 8-30 ms steps: within 25-50 steps);
+  ``REFRESH_SHARE`` of the budget;
 * nothing changed: the interval walk is owed at ``STALE_STRETCH`` times its interval.
 
 Those are the walks the budget gives up first, and they are few: the fix, spaced out when the
@@ -54,9 +54,9 @@ BEAT_RATIO = 1.5
 BEAT_CPU_SECONDS = 0.01
 # Walks of a new decode taken even when the budget is spent now (they are charged, and the routine
 # walks after them give way): one for its level, two 16 steps apart for its rate. Without them a
-# server whose budget one slow walk had spent (300 ms on a loaded machine) was blind to the next
-# batch, and let requests run past the limit. The first step's reading is no point of the growth:
-# what the prompt's last forward left pending is still there then.
+# server whose budget one slow walk had spent was blind to the next batch, and let requests run
+# past the limit. The first step's reading is no point of the growth: what the prompt's last
+# forward left pending is still there then.
 OWED_OFFSETS = (0, 16, 32)
 # A busy batch that changed before its growth was read: two walks owed in its new epoch, once the
 # change has settled, for the rate (a batch that changes every second would otherwise put the
@@ -75,9 +75,8 @@ AUTO_WALK_SHARE = 0.001  # ...or more, so that they take at most this share of d
 # then this share of the budget, for themselves.
 WALK_FLOOR_SHARE = 0.1
 # A fix the budget cannot pay for now waits until it can, but at most this many times its interval
-# (fix_every): a busy server's fixes (1-4 ms of wall time each on a loaded host, ~4 a second) alone
-# took past 1% of its time. The chains it cuts grow that much longer meanwhile, a few thousand
-# buffers at the most, and a stop decision fixes first whatever the budget.
+# (fix_every): a busy server's fixes alone took it past its budget. The chains it cuts grow that
+# much longer meanwhile, and a stop decision fixes first whatever the budget.
 FIX_STRETCH = 4
 # Walks that measure a growth not known yet (a new decode's) come first: the others (the walk at
 # a change of a busy batch whose growth is known, the interval walks) leave this share of the
@@ -86,21 +85,21 @@ FIX_STRETCH = 4
 ROUTINE_SHARE = 0.75
 # The caches changed since the last reading: its walk is owed, whatever the budget, once the decode
 # since the last walk has paid for one at this share of the overhead budget (by the walks' CPU work,
-# not their wall time: a loaded machine must not make readings rarer). A busy server's changes come
-# every 10-20 steps; with the walk owed at each, its reading was never off by more than a request.
+# not their wall time: a loaded machine must not make readings rarer). Owed at each change, it keeps
+# a busy server's reading within about a request of the count.
 REFRESH_SHARE = 0.25
 # The interval walk the budget cannot pay for waits, but at most this many times its interval
 # (the reading of a steady decode, whose growth the forecast extrapolates meanwhile).
 STALE_STRETCH = 4
 MAX_STEP_SECONDS = 1.0  # a longer gap between two steps is idle time, not decode time
 # What the next walk will cost: the median of the last few. One walk descheduled on a loaded
-# machine (150 ms against 5) would otherwise hold every walk back until the decode had earned it.
+# machine would otherwise hold every walk back until the decode had earned it.
 COST_WINDOW = 5
 
 
 class Schedule:
     def __init__(self, overhead_budget: float, walk_interval: float | None, beats: bool = True) -> None:
-        self.overhead_budget = overhead_budget
+        self._budget = overhead_budget
         self.walk_interval = walk_interval
         self.decode_seconds = 0.0  # sum of the (capped) gaps between observed steps
         self.spent = 0.0  # seconds of observe() charged to the budget, the fix's included
@@ -136,11 +135,22 @@ class Schedule:
         self.interval_decode = AUTO_WALK_INTERVAL if walk_interval is None else walk_interval
         self.wake_decode = self.interval_decode
         self._off = False  # switch_off(): no walk is ever due
+        self._slept = False  # the marks are due()'s, set past the walks the budget holds back
         self._arm()
+
+    @property
+    def overhead_budget(self) -> float:
+        return self._budget
+
+    @overhead_budget.setter
+    def overhead_budget(self, value: float) -> None:
+        self._budget = value
+        self._arm()  # what fits the budget now is another matter
 
     def _arm(self) -> None:
         """wake_step: the epoch's next walk, or owed walk; wake_decode: the next interval walk,
         or owed refresh."""
+        self._slept = False
         owed = self._owed_offsets
         offsets = [owed[self._owed]] if self._owed < len(owed) else []
         if self._next < len(self._offsets):
@@ -162,7 +172,7 @@ class Schedule:
     def refresh_decode(self) -> float:
         """The decode time from which the walk of a change of the caches is owed: when the decode
         since the last walk has paid for one at ``REFRESH_SHARE`` of the budget."""
-        share = REFRESH_SHARE * self.overhead_budget
+        share = REFRESH_SHARE * self._budget
         return self.walk_decode + self.work / share if share > 0 else math.inf
 
     def stale_decode(self) -> float:
@@ -207,10 +217,51 @@ class Schedule:
         changed = self._epoch_start > self.walk_step and offset >= CHANGE_OFFSETS[0]
         if changed and decode >= self.refresh_decode():  # the caches changed since the reading
             return True
-        wanted = (
-            self._next < len(self._offsets) and offset >= self._offsets[self._next]
-        ) or decode >= self.interval_decode
-        return wanted and self.affordable(share=ROUTINE_SHARE if measured else 1.0)
+        dense = self._next < len(self._offsets) and offset >= self._offsets[self._next]
+        share = ROUTINE_SHARE if measured else 1.0
+        if (dense or decode >= self.interval_decode) and self.affordable(share=share):
+            return True
+        self._sleep(step, beat, dense, share)
+        return False
+
+    def _sleep(self, step: int, beat: bool, dense: bool, share: float) -> None:
+        """No walk at ``step``: the marks move to the first step and decode time at which ``due``
+        may say otherwise, so that the steps until then do not ask (a walk the budget holds back
+        would have every step ask, ~180 bytecodes each, until the decode has paid for it). They
+        hold while nothing but the step and the time the decode and the watchdog spend moves on:
+        a walk, a new epoch, an owed walk, a refund, a fix and a new budget arm them again."""
+        offset = step - self._epoch_start
+        steps = [self._decode_start + self._beat] if not beat else []
+        owed = self._owed_offsets
+        if self._owed < len(owed):
+            steps.append(self._epoch_start + owed[self._owed])
+        if self._next < len(self._offsets) and not dense:
+            steps.append(self._epoch_start + self._offsets[self._next])
+        if self._epoch_start > self.walk_step and offset < CHANGE_OFFSETS[0]:
+            steps.append(self._epoch_start + CHANGE_OFFSETS[0])
+        routine = self.affordable_from(share)
+        decode = min(self.stale_decode(), routine if dense else max(self.interval_decode, routine))
+        if beat:  # a beat held back by the budget (its walks cost BEAT_CPU_SECONDS or more)
+            decode = min(decode, self.affordable_from(1.0))
+        if self._epoch_start > self.walk_step:
+            decode = min(decode, self.refresh_decode())
+        self.wake_step = min(steps) if steps else math.inf
+        self.wake_decode = decode
+        self._slept = True
+
+    def affordable_from(self, share: float = 1.0) -> float:
+        """The decode time from which one more walk may fit ``share`` of the budget (``affordable``):
+        now, where it does; else a bound that holds while the seconds spent only grow (until a
+        refund or a fix, which arm the marks again)."""
+        if self.affordable(share=share):
+            return self.decode_seconds
+        if self._budget <= 0:
+            return math.inf  # only the credit is allowed, and it is spent
+        cost = self.last_cost
+        return (1 - 1e-9) * min(  # (a hair early: rounding must not put it past the walk)
+            (self.spent + cost) / (share * self._budget),  # within share of the budget
+            (self.spent - self.fix_spent + cost) / (WALK_FLOOR_SHARE * self._budget),  # the walks' floor
+        )
 
     def affordable(self, walks: int = 1, share: float = 1.0) -> bool:
         """Do ``walks`` more walks (at the last one's cost) fit ``share`` of the budget?"""
@@ -219,7 +270,7 @@ class Schedule:
         # change of its batch, and a credit per epoch would let short requests cost more than the
         # budget. The credit is a floor: past WALK_CREDIT_SECONDS / overhead_budget of decode,
         # at most overhead_budget is spent.
-        allowed = max(self.overhead_budget * self.decode_seconds, WALK_CREDIT_SECONDS)
+        allowed = max(self._budget * self.decode_seconds, WALK_CREDIT_SECONDS)
         cost = walks * self.last_cost
         if self.spent + cost <= share * allowed:
             return True
@@ -266,15 +317,19 @@ class Schedule:
         self.fix_spent += seconds
         self._fix_costs.append(seconds)
         self.fix_cost = statistics.median(self._fix_costs)
+        if self._slept:  # the walks' floor has more room
+            self._arm()
 
     def fix_affordable(self) -> bool:
         """Does one more fix (at the last ones' cost) fit the budget? (Asked once a fix is due.)"""
-        allowed = max(self.overhead_budget * self.decode_seconds, WALK_CREDIT_SECONDS)
+        allowed = max(self._budget * self.decode_seconds, WALK_CREDIT_SECONDS)
         return self.spent + self.fix_cost <= allowed
 
     def refund(self, seconds: float) -> None:
         """Seconds charged that were not the watchdog's to pay (the program's deferred work)."""
         self.spent -= seconds
+        if self._slept and seconds > 0:  # the budget has more room
+            self._arm()
 
     def first_of_decode(self, step: int) -> bool:
         """Is ``step`` the first of a new decode? Its reading is a level, not a point of the growth:

@@ -22,8 +22,10 @@ import collections
 import dataclasses
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Callable
+from threading import get_ident
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -35,15 +37,20 @@ from .actions import ResourceLimitForecast, Stop, Warnings, remedy
 from .arrays import Found, scan_all, steps_key
 from .attribution import Attribution
 from .caches import KEPT_MARK, Scope, member_of
+from .census import Census
+from .census import advice as outside_advice
 from .coordination import Coordinator, launched, new_coordinator
 from .counters import Counters, PartAttribute
 from .epochs import Epochs
 from .fix import Fixer, Probe, evaluated_output, schedule_evaluation
 from .growth import Growth
 from .limits import BufferCounter, find_buffer_counter, resolve_limit, unseen_margin
+from .live import LIVE
+from .live import live_watchdogs as live_watchdogs  # its home before live.py
 from .objects import type_name
 from .options import (
     WatchdogOptions,
+    checked_bool,
     checked_fraction,
     checked_name,
     checked_positive_int,
@@ -52,25 +59,22 @@ from .options import (
 from .pace import IDLE_SECONDS, StepClock
 from .process_count import ProcessCounter
 from .process_count import counter as process_counter
-from .reading import Reading, read
+from .reading import Reading, SiteCount, read
 from .rows import EVERY as ROWS_EVERY
 from .rows import RowsWatch
 from .sampling import Sampler, warm_up
 from .schedule import FIX_STRETCH, ROUTINE_SHARE, Schedule
+from .snapshot import Snapshot
 
 logger = logging.getLogger("mlx_watchdog")
 
 DEFAULTS = WatchdogOptions()
 
-_live: weakref.WeakSet[Watchdog] = weakref.WeakSet()
-_live_lock = threading.Lock()
 
-
-def live_watchdogs(*, unexported: bool = False) -> list[Watchdog]:
-    """Every live watchdog created with ``export=True`` (what exporters publish by default);
-    ``unexported=True``: every live watchdog."""
-    with _live_lock:
-        return [wd for wd in list(_live) if unexported or wd.export]
+def input_tokens(inputs: Any) -> int:
+    """Tokens a forward's inputs (batch x tokens) hold: more than one is a prefill."""
+    shape = getattr(inputs, "shape", None)
+    return int(shape[1]) if shape is not None and len(shape) >= 2 else 1
 
 
 def _buffer_counter(process_count: bool | str) -> tuple[BufferCounter | ProcessCounter | None, str | None]:
@@ -139,6 +143,11 @@ class Watchdog:
             on where its self-check passes); ``True``: on where its self-check passes, a failure
             logged as a warning; ``False``: off. Where MLX has a buffer counter of its own, that one
             is read instead. When it is off, ``process_count_off`` says why.
+        census: find the program's own objects that hold pending arrays outside the caches (a
+            server's per-step outputs kept lazily), from the garbage collector's view, within a
+            share of the budget, and read their attributes as sites ``outside:<module>.<Class>.<attr>``
+            (``census.py``). ``"auto"`` (default): as ``$MLX_WATCHDOG_CENSUS`` says (on unless
+            off); ``True``: on; ``False``: off. ``census.off`` says why it is off.
     """
 
     def __init__(
@@ -158,6 +167,7 @@ class Watchdog:
         max_objects: int = DEFAULTS.max_objects,
         max_depth: int = DEFAULTS.max_depth,
         process_count: bool | str = DEFAULTS.process_count,
+        census: bool | str = DEFAULTS.census,
     ):
         options = WatchdogOptions(
             limit=limit,
@@ -173,6 +183,7 @@ class Watchdog:
             max_objects=max_objects,
             max_depth=max_depth,
             process_count=process_count,
+            census=census,
         )
         self.limit = resolve_limit(options.limit)
         # Why the process count is not read (None while it is): the counter, whoever's it is.
@@ -184,7 +195,6 @@ class Watchdog:
         self.warn_within = options.warn_within
         self.stop_within = options.stop_within
         self.on_forecast = options.on_forecast
-        self.export = options.export
         self.max_objects = options.max_objects
         self.max_depth = options.max_depth
 
@@ -200,6 +210,8 @@ class Watchdog:
         self._parameter_buffers = 0
         self._pace = StepClock()  # when the steps came: their rate, and idleness
         self._scope = Scope()
+        # The program's objects outside the caches that hold pending arrays (census.py).
+        self.census = Census(options.census)
         self._schedule = Schedule(options.overhead_budget, options.walk_interval, beats=not options.fix)
         self._sampler = Sampler()
         self._epochs = Epochs()  # the sets of live caches, and the roots of the last step
@@ -213,7 +225,7 @@ class Watchdog:
         self._gone = _Gone()
         self._empty_walks = 0
         self._reset_series()
-        self._start(model)
+        self._start(model, options.export)
 
     # ----------------------------------------------------------------- public API
 
@@ -244,6 +256,19 @@ class Watchdog:
     def name_is_default(self) -> bool:
         """No name was given: an attachment names it after its model."""
         return self._name is None
+
+    @property
+    def export(self) -> bool:
+        """Shown on the metrics endpoint (``live.py`` keeps it: a retired model's watchdog, one
+        inherited through fork, are not). Set True to show it, False to retire it."""
+        return LIVE.shown(self)
+
+    @export.setter
+    def export(self, value: bool) -> None:
+        if checked_bool(value, "export"):
+            LIVE.show(self)
+        else:
+            LIVE.retire(self)
 
     @property
     def overhead_budget(self) -> float:
@@ -321,7 +346,9 @@ class Watchdog:
             self.record_internal_error("count_parameters", exc)
         return self._parameter_buffers
 
-    def observe(self, roots: Any, *, last_output: Any = None, prefill: bool = False) -> None:
+    def observe(
+        self, roots: Any, *, last_output: Any = None, prefill: bool = False, inputs: Any = None
+    ) -> None:
         """Observe one decode step. Call it at the entry of each step (before the forward).
 
         ``roots``: any object graph holding the cache(s). ``last_output``: the previous step's
@@ -329,12 +356,14 @@ class Watchdog:
         so the watchdog never computes what the program itself would not have.
         ``prefill=True`` marks a multi-token forward: it is observed when it runs on the cache
         being followed (speculative verification does), but a prompt processed on other caches
-        beside a running batch (``BatchGenerator``) does not start a new series.
+        beside a running batch (``BatchGenerator``) does not start a new series. ``inputs``: the
+        forward's input tokens (batch x tokens), instead of ``prefill``: a forward of more than
+        one token is a prefill. They are looked at only when the roots are not last step's.
 
         Never raises, except :class:`ResourceLimitForecast` when ``stop_within`` says so."""
         start = clock.wall()
         try:
-            self._observe(roots, last_output, prefill, start)
+            self._observe(roots, last_output, prefill, start, inputs)
         except ResourceLimitForecast:
             raise
         except Exception as exc:
@@ -416,6 +445,37 @@ class Watchdog:
                 peak_resident_buffers=int(round(peak)),
             )
 
+    def snapshot(self) -> Snapshot:
+        """What the exporters show, read at once under the lock: the forecast with the counters,
+        stops and held stop of the same moment. Never raises: a forecast that fails is counted
+        (``internal_errors``) and the snapshot has none."""
+        with self._lock:
+            try:
+                forecast: fc.Forecast | None = self.forecast()
+            except Exception as exc:
+                self.record_internal_error("snapshot", exc)
+                forecast = None
+            try:
+                rank, world_size = (int(n) for n in self._ranks())
+            except Exception:
+                rank, world_size = 0, 1
+            return Snapshot(
+                name=self.name,
+                fix=self.fix,
+                rank=rank,
+                world_size=world_size,
+                forecast=forecast,
+                steps=self.steps if forecast is None else forecast.step,
+                materialized_arrays=self.materialized_arrays,
+                fix_failures=self.fix_failures,
+                reclaimed_buffers=self.reclaimed_buffers,
+                overhead_seconds=self.overhead_seconds,
+                internal_errors=self.internal_errors,
+                stops=types.MappingProxyType(dict(self.stops)),
+                last_stops=types.MappingProxyType(dict(self._last_stops)),
+                held_stop=self._held_stop,
+            )
+
     def decoding(self) -> bool:
         """Is anything stepping? False after ``generation_ended()`` or an idle gap."""
         return self._pace.stepping()
@@ -480,7 +540,7 @@ class Watchdog:
 
     # ----------------------------------------------------------------- the step
 
-    def _start(self, model: Any) -> None:
+    def _start(self, model: Any, export: bool) -> None:
         """Count the model's parameters, pay the one-off costs now (the walker thread, MLX's first
         export, numpy's median), join the live watchdogs, and take the coordinator an
         instrumented distributed job gives it (coordination.py)."""
@@ -490,8 +550,7 @@ class Watchdog:
             warm_up()
         except Exception as exc:
             self.record_internal_error("warm_up", exc)
-        with _live_lock:
-            _live.add(self)
+        LIVE.add(self, shown=export)
         try:
             coordinator = new_coordinator(self)
             if coordinator is not None:
@@ -499,7 +558,7 @@ class Watchdog:
         except Exception as exc:
             self.record_internal_error("coordinator", exc)
 
-    def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float) -> None:
+    def _observe(self, roots: Any, last_output: Any, prefill: bool, start: float, inputs: Any = None) -> None:
         # Every decode step runs this, just after the forward left the CPU's caches cold, where
         # each Python call and object touched costs: a step that neither walks nor fixes runs
         # this function alone.
@@ -514,7 +573,7 @@ class Watchdog:
         anchor_ref = epochs.anchor_ref
         if (
             ids != epochs.root_ids or (anchor_ref is not None and anchor_ref() is not anchor)
-        ) and not self._follow(roots, ids, anchor, prefill):
+        ) and not self._follow(roots, ids, anchor, prefill or input_tokens(inputs) > 1):
             return
         # Written by the decode thread alone, without the lock: a reader racing a step sees
         # the step count before or after it.
@@ -529,7 +588,10 @@ class Watchdog:
         counters = self.counters
         step = counters.steps = counters.steps + 1
         pace.times.append((step, start))
-        pace.thread = threading.get_ident()
+        counter = self._counter
+        if isinstance(counter, ProcessCounter):  # (the resident count between walks)
+            counter.step()
+        pace.thread = get_ident()
         if not step % ROWS_EVERY and self._rows.probe is not None and self._rows.changed(roots, step):
             self._scope.changed()
         if self._scope.version != epochs.version:
@@ -560,7 +622,8 @@ class Watchdog:
                 and (schedule.affordable(walks=2) or self._growth.probed is None)
             ):
                 fixer.start_probe(step, self._growth.site_buffers())
-        if self.fix:
+        # (Fixer.due is False before fix_every steps since the last fix, backlog aside: not asked.)
+        if self.fix and (fixer.backlog or step - fixer.last_step >= fixer.every):
             backlog = fixer.backlog
             if fixer.due(step, last_output, schedule.fix_affordable, FIX_STRETCH):
                 self._fix(roots, walked_pending, step)
@@ -658,6 +721,7 @@ class Watchdog:
             fixed_at=self._fixer.last_step,
         )
         del owners, keys
+        reading = self._with_census(reading, found, probe)
         if isinstance(
             self._counter, ProcessCounter
         ):  # what the process holds beyond the walk, and its growth
@@ -853,7 +917,9 @@ class Watchdog:
             logger.warning(
                 "mlx-watchdog: resource limit forecast: %s (%s)",
                 forecast.describe(),
-                compiled.advice(forecast.leaks) or remedy(self.fix, self._fixer.fixed_once),
+                compiled.advice(forecast.leaks)
+                or outside_advice(forecast.leaks)
+                or remedy(self.fix, self._fixer.fixed_once),
             )
 
     # ----------------------------------------------------------------- helpers
@@ -895,7 +961,23 @@ class Watchdog:
         self._sampler.forget()  # what it walked before names other arrays now
         self._empty_walks = 0
 
+    def _with_census(self, reading: Reading, found: list, probe: Probe | None) -> Reading:
+        """The reading with what the program's own objects hold outside the caches (census.py),
+        under sites of their own (not in a probe's reading: the fix cuts none of them)."""
+        counts: dict[str, SiteCount] | None = {} if probe is None else None
+        held = self.census.read(reading.step, found, self._schedule, counts, self._outside_rate())
+        if self.census.fresh:  # the readings before counted other arrays there: no growth line
+            self._growth.samples.clear()
+        if isinstance(self._counter, BufferCounter):  # MLX's own count has them already
+            held = 0.0
+        return reading.with_outside(held, {site: count.tally() for site, count in (counts or {}).items()})
+
     def _resident_now(self, step: int) -> float:
+        counter = self._counter
+        if isinstance(counter, ProcessCounter):  # the count has followed every buffer since the reading
+            now = counter.resident_now()
+            if now is not None:
+                return max(float(self._parameter_buffers), now)
         last = self._last
         gone = self._gone
         if gone.reading is not last or gone.version != self._scope.version:  # a cache died since: recount
@@ -904,15 +986,20 @@ class Watchdog:
         growth = max(0.0, self._growth.rate) * (step - last.step) * gone.alive_share
         growth += self._outside_rate() * (step - last.step)  # and outside them, in the process
         fixer, cut = self._fixer, self._growth.probed
-        if self.fix and fixer.fixed_once and cut:
+        if self.fix and fixer.fixed_once:
+            cut_chains = max(0.0, last.retained - last.pending_arrays)  # what the next fix cuts of it
+            if cut is None:  # no probe yet: the chains' growth since the fix before the reading
+                cut = cut_chains / (last.step - last.fixed_at) if last.step > last.fixed_at else 0.0
             # Between two fixes the chains it cuts grow back (a sawtooth, up to 4x fix_every steps
-            # high when the budget spaces the fixes): as high now as the steps since the last fix
-            # made them, against as high as they were at the reading. A reading before the series'
-            # first fix saw chains grown since the series began, not since the fix a reset pretends
-            # (fix_every steps before it, so that the first fix comes at once): 80 buffers too low
-            # until the next walk, counted from there.
-            grown = last.step - max(last.fixed_at, fixer.series_start)
-            growth += cut * ((step - fixer.last_step) - grown) * gone.alive_share
+            # high when the budget spaces the fixes), at the rate the probes saw. A fix since the
+            # reading cut what the chains it saw retained (less the arrays it left evaluated): the
+            # reading says so, where a model of it from the probes' rate, not measured yet in a
+            # new decode, left a reading at the sawtooth's peak after the fix.
+            since = step - last.step
+            if fixer.last_step != last.fixed_at and not fixer.backlog:  # fixed after the reading
+                growth -= cut_chains * gone.alive_share
+                since = step - fixer.last_step
+            growth += cut * since * gone.alive_share
         return max(float(self._parameter_buffers), last.resident - gone.buffers + growth)
 
     def _outside_rate(self) -> float:

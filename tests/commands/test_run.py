@@ -32,7 +32,7 @@ from mlx_watchdog.exporters.processes import ProcessesCollector, SnapshotWriter,
 from mlx_watchdog.exporters.prometheus import WatchdogCollector
 from mlx_watchdog.tiny import save_model_dir
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/, for exact_buffers
 PYTHON = sys.executable
 LEAK = 5  # 8 layers, full attention every 4th: 6 linear-attention layers leak 5 buffers a step
 STEPS = 300  # decode steps before the program reports; its growth is read from step 100 on
@@ -696,7 +696,10 @@ def test_after_a_stop_the_merged_endpoint_keeps_its_forecast(tmp_path, model_dir
         while True:  # the stop, and then idle: nothing steps, nothing measures the growth again
             status, body = http_get(url)
             text = body.decode()
-            if by_pid(text, "mlx_watchdog_decoding", pid) == [0.0]:
+            # The program's snapshot is written every interval: one from before its decode (idle,
+            # no stop yet) may still be the one served when the stop is reported.
+            stopped = by_pid(text, "mlx_watchdog_stops_total", pid, reason="forecast") == [1.0]
+            if stopped and by_pid(text, "mlx_watchdog_decoding", pid) == [0.0]:
                 break
             assert time.monotonic() < deadline, f"never idle:\n{text}\n{log_tail(log)}"
             time.sleep(0.5)
@@ -883,7 +886,8 @@ def test_run_takes_serves_watchdog_options(tmp_path):
     parser = cli.build_parser(load_serve=False, load_run=True)
     args = parser.parse_args(
         ["run", "--fix", "--fix-every", "4", "--limit", "1000", "--warn-within", "10", "--stop-within", "5",
-         "--overhead-budget", "0.05", "--walk-interval", "0", "--process-count", "on", "--metrics-port", "0"]
+         "--overhead-budget", "0.05", "--walk-interval", "0", "--process-count", "on", "--census", "off",
+         "--metrics-port", "0"]
     )  # fmt: skip
     from mlx_watchdog.commands.watch_options import watchdog_options
 
@@ -896,4 +900,5 @@ def test_run_takes_serves_watchdog_options(tmp_path):
         "overhead_budget": 0.05,
         "walk_interval": 0.0,
         "process_count": True,
+        "census": False,
     }

@@ -54,6 +54,7 @@ from mlx_watchdog.attach.model import unwatch_model, watch_model
 from mlx_watchdog.core import coordination
 from mlx_watchdog.core.limits import device_name
 from mlx_watchdog.exporters import prometheus as exporter
+from mlx_watchdog.exporters import server as exporter_server
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
 # The contract the dashboard and alert rules query, written out here independently of the
@@ -680,7 +681,7 @@ def test_default_metrics_port(monkeypatch):
     monkeypatch.setattr(mx.distributed, "init", no_init)
     for variable in coordination.RANK_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
-    monkeypatch.setattr(exporter, "live_watchdogs", lambda: [])  # other tests' watchdogs aside
+    monkeypatch.setattr(exporter_server, "live_watchdogs", lambda: [])  # other tests' watchdogs aside
     assert exporter.default_metrics_port() == 9464
     assert exporter.default_metrics_port(9100) == 9100
     monkeypatch.setenv("MLX_RANK", "3")  # set by mlx.launch for each rank
@@ -689,7 +690,7 @@ def test_default_metrics_port(monkeypatch):
     monkeypatch.delenv("MLX_RANK")
     ranked = Watchdog(name="exp-rank-port", export=False)  # as the distributed module sets it up
     ranked.coordinator = ranks(2, 4)
-    monkeypatch.setattr(exporter, "live_watchdogs", lambda: [ranked])
+    monkeypatch.setattr(exporter_server, "live_watchdogs", lambda: [ranked])
     assert exporter.default_metrics_port(9000) == (9002 if mx.distributed.is_available() else 9000)
     assert exporter.default_metrics_port(0) == 0  # any free port: no offset
     with pytest.raises(ValueError, match="base"):

@@ -30,7 +30,7 @@ from mlx_watchdog import ResourceLimitForecast, Watchdog
 from mlx_watchdog.attach import distributed as dist
 from mlx_watchdog.core import coordination
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "dist_worker.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"  # the venv's, next to its python
 if not LAUNCH.exists() and shutil.which("mlx.launch"):

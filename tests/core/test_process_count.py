@@ -53,6 +53,17 @@ class Scheduler:
         self.score = self.score + logprobs.max()
 
 
+class Offset:
+    """A cache whose offset is rebound each step and never evaluated: a buffer a step."""
+
+    def __init__(self):
+        self.offset = mx.array(0)
+        mx.eval(self.offset)
+
+    def advance(self) -> None:
+        self.offset = self.offset + 1
+
+
 def decode(counter, wd: Watchdog, leak: bool, scrape=None) -> tuple[float, list]:
     """A tiny llama (leak-free: its KV cache is evaluated every step) decoded by ``generate_step``
     under ``watch_model``, with the scheduler's two chains beside it when ``leak``. Returns the
@@ -127,6 +138,34 @@ def test_a_leak_outside_the_caches_is_read_at_its_rate_as_unattributed(counter):
         assert f.unattributed_buffers_per_step == pytest.approx(true_rate, rel=0.15), f
     assert "unattributed +" in forecasts[-1].describe()
     assert scraped and scraped[0] == pytest.approx(true_rate, rel=0.15)
+
+
+def test_between_walks_the_resident_count_moves_as_the_exact_count_does(counter, fake_clock):
+    """A busy server's caches change between walks (a request's caches join, finished ones die):
+    with the count, the resident count follows at each step, not at the next walk. Before, it was
+    the last reading plus the growth read (a busy serve --fix: 112-372 under the exact count, a
+    request's caches made after the walk and the finished ones' subtracted)."""
+    cache = Offset()
+    wd = Watchdog(limit=200_000, export=False, process_count=True, walk_interval=1000)
+    held: list[mx.array] = []  # what the program holds outside the cache: never walked
+    rows = []  # (step, resident, exact, walked at this step)
+    for n in range(1, 96):
+        fake_clock.now += 1 / 61
+        walks = wd.walks
+        wd.observe(cache)  # the entry of a step: read there, as the count stood then
+        rows.append((n, wd.forecast().resident_buffers, counter.live(), wd.walks > walks))
+        cache.advance()
+        if n == 70:  # a request joins: its arrays
+            held = [mx.arange(i + 1) for i in range(30)]
+            mx.eval(held)
+        if n == 80:  # two thirds of them die
+            del held[10:]
+    last_walk = max(n for n, *_, walked in rows if walked)
+    assert last_walk < 70  # the changes came between walks (the dense ones end at step 65)
+    (at, resident0, exact0, _) = rows[last_walk - 1]
+    moved = [(n, resident - resident0, exact - exact0) for n, resident, exact, _ in rows[last_walk:]]
+    assert [n for n, read, true in moved if abs(read - true) > 1] == [], moved
+    assert moved[-1][2] >= 10  # the truth moved: +30, then -20, beside the cache's own growth
 
 
 def test_without_the_count_the_same_leak_reads_no_growth(counter):

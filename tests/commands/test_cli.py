@@ -27,7 +27,7 @@ from mlx_watchdog import tiny
 from mlx_watchdog.commands import demo, diagnose, to_the_limit
 from mlx_watchdog.commands import main as cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JSON_PAGE = REPO / "docs" / "diagnose.md"  # the keys and types of diagnose's JSON documents
 LEFT_PADDING = "ArraysCache.left_padding"
 

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import ArraysCache
 from support import cpu_load
 
 from mlx_watchdog import Watchdog
+from mlx_watchdog.core import sampling
 
 SITE = "ArraysCache.left_padding"
 STEP_SECONDS = 1 / 61  # a decode step on the watchdog's clock: 0.5 s of decode is ~31 steps
@@ -368,6 +369,24 @@ def test_a_bounded_period_of_256_is_never_a_leak(counter, clock, step_seconds):
     live = [x - base for x in live]
     assert len({count for _, count in exact_peaks(live)}) == 1  # the truth: the peaks do not grow
     assert_reads(forecasts, 512, 1000, 0.0, (), (SITE,))
+
+
+@pytest.mark.mlx_lm_neutral
+@pytest.mark.parametrize("step_seconds", [1 / 61, 1 / 500])
+def test_a_period_of_256_read_by_samples_is_judged_within_two_periods(
+    counter, clock, monkeypatch, step_seconds
+):
+    """At the crash scale, or on a machine where a node costs more, a reading walks each site's
+    longest chain and the others in turn, and estimates the rest from that chain's gains. A stall
+    bound of 1 ms makes every reading here a sample (at the first estimate of a node's cost: the
+    fake clock measures none). Before, a cut was read only between two readings that both walked
+    a chain: the sawtooth read as a leak (+5 to +7/step against the truth's 4) at most steps, and
+    failed CI on the real clock where a loaded machine's walks were samples."""
+    monkeypatch.setattr(sampling, "STALL_SECONDS", 0.001)
+    wd, live, forecasts = decode_mixed(counter, clock, "attributes", 256, 1000, step_seconds, caches=4)
+    assert (live[-1] - live[-513]) / 512 == pytest.approx(4.0)  # the truth, over two periods
+    assert all(forecasts[n].sampled for n in range(512, 1001))  # the readings were samples
+    assert_reads(forecasts, 512, 1000, *expected("attributes", 4))
 
 
 @pytest.mark.mlx_lm_neutral
