@@ -459,3 +459,24 @@ def prom_query(base: str, expr: str, **params) -> list[dict]:
     reply = prom_api(base, "/api/v1/query", query=expr, **params)
     assert reply.get("status") == "success", f"query {expr!r}: {reply}"
     return reply["data"]["result"]
+
+
+class Scheduler:
+    """What a server keeps of each step outside the model's cache, never evaluated (Rapid-MLX's
+    #2834): the tokens so far as one array, and a running score. Each chain holds one more buffer
+    a step (the token's array; the step's log-probabilities)."""
+
+    def __init__(self):
+        import mlx.core as mx
+
+        self.history = mx.array([0])
+        self.score = mx.array(0.0)
+        self.steps = 0
+        mx.eval(self.history, self.score)
+
+    def step(self, token: int, logprobs: Any) -> None:
+        import mlx.core as mx
+
+        self.history = mx.concatenate([self.history, mx.array([token])])
+        self.score = self.score + logprobs.max()
+        self.steps += 1

@@ -21,11 +21,12 @@ from mlx_watchdog.tiny import build_tokenizer, save_model_dir
 
 PYTHON = sys.executable
 STEP = "mlx_lm.tuner.trainer.step"
-BUCKETS = 16  # batch lengths, 32 tokens apart: the trainer pads to a multiple of 32
+BUCKETS = 32  # batch lengths, 32 tokens apart: the trainer pads to a multiple of 32
 # The tiny model's step keeps 17 buffers per entry, a new one every step (its parameters and
-# optimizer state ~40 more): (LIMIT - resident) / growth falls to STOP_WITHIN near iteration 8,
-# before the lengths run out.
-LIMIT = 340
+# optimizer state ~40 more): (LIMIT - resident) / growth falls to STOP_WITHIN near iteration 23,
+# before the lengths run out. (A limit of 340 stopped it at iteration 8, 1-2 s in: the snapshot
+# the scrapes read, written once a second, showed 4 or 5 steps by chance.)
+LIMIT = 600
 STOP_WITHIN = 10
 
 

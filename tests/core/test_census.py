@@ -25,6 +25,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from support import Scheduler
 
 from mlx_watchdog import Watchdog
 from mlx_watchdog.attach.model import unwatch_model, watch_model
@@ -39,23 +40,6 @@ STEP_SECONDS = 1 / 61  # a decode step on the watchdog's clock: a walk every ~31
 CENSUS_SECONDS = 0.03  # what one census costs on that clock (~100,000 objects here: 20-60 ms)
 READ_FROM = 64  # the forecasts checked: from the end of the dense walks on
 PROMPT = mx.array(list(range(1, 17)))
-
-
-class Scheduler:
-    """What a server keeps of each step outside the model's cache, never evaluated: the tokens so
-    far as one array, and a running score. Each chain holds one more buffer a step (the token's
-    array; the step's log-probabilities)."""
-
-    def __init__(self):
-        self.history = mx.array([0])
-        self.score = mx.array(0.0)
-        self.steps = 0
-        mx.eval(self.history, self.score)
-
-    def step(self, token: int, logprobs: mx.array) -> None:
-        self.history = mx.concatenate([self.history, mx.array([token])])
-        self.score = self.score + logprobs.max()
-        self.steps += 1
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from support import Scheduler
 
 from mlx_watchdog import Watchdog
 from mlx_watchdog.attach.model import unwatch_model, watch_model
@@ -36,21 +37,6 @@ STEPS = 400
 READ_FROM = 2 * process_count.OUTSIDE_SPAN + 32
 PROMPT = mx.array(list(range(1, 17)))
 UNATTRIBUTED_METRIC = "mlx_watchdog_unattributed_buffers_per_step"
-
-
-class Scheduler:
-    """What a server keeps of each step outside the model's cache, never evaluated: the tokens so
-    far as one array, and a running score. Each chain holds one more buffer a step (the token's
-    array; the step's log-probabilities)."""
-
-    def __init__(self):
-        self.history = mx.array([0])
-        self.score = mx.array(0.0)
-        mx.eval(self.history, self.score)
-
-    def step(self, token: int, logprobs: mx.array) -> None:
-        self.history = mx.concatenate([self.history, mx.array([token])])
-        self.score = self.score + logprobs.max()
 
 
 class Offset:
