@@ -248,11 +248,11 @@ def test_a_forked_child_lists_the_watchdogs_while_the_parent_was_listing_them():
                 if threading.current_thread().name == "lister":
                     inside.set()
                     gate.wait()
-                return self.count
+                return self.counters.steps
 
             @steps.setter
             def steps(self, value):
-                self.count = value
+                self.counters.steps = value
 
         wd = Waiting(name="waiting")
         hide_inherited()  # each listing now reads its steps under the lock
