@@ -372,21 +372,26 @@ def test_a_bounded_period_of_256_is_never_a_leak(counter, clock, step_seconds):
 
 
 @pytest.mark.mlx_lm_neutral
+@pytest.mark.parametrize("layout", ["attributes", "one site"])
 @pytest.mark.parametrize("step_seconds", [1 / 61, 1 / 500])
 def test_a_period_of_256_read_by_samples_is_judged_within_two_periods(
-    counter, clock, monkeypatch, step_seconds
+    counter, clock, monkeypatch, layout, step_seconds
 ):
-    """At the crash scale, or on a machine where a node costs more, a reading walks each site's
-    longest chain and the others in turn, and estimates the rest from that chain's gains. A stall
-    bound of 1 ms makes every reading here a sample (at the first estimate of a node's cost: the
-    fake clock measures none). Before, a cut was read only between two readings that both walked
-    a chain: the sawtooth read as a leak (+5 to +7/step against the truth's 4) at most steps, and
-    failed CI on the real clock where a loaded machine's walks were samples."""
+    """At the crash scale, or on a machine where a node costs more, a reading walks each kind of
+    chain's longest one and the others in turn, and estimates the rest from that chain's gains. A
+    stall bound of 1 ms makes every reading here a sample (at the first estimate of a node's cost:
+    the fake clock measures none). Before, a cut was read only between two readings that both
+    walked a chain: the sawtooth read as a leak (+5 to +7/step against the truth's 4) at most
+    steps, and failed CI on the real clock where a loaded machine's walks were samples. With the
+    chain and the counter in one list (one site), the chains were estimated from the counter's
+    gains, never cut: 1/step against 4, or 0 and bounded; now each position of the list is a kind
+    of its own (sampling.kinds), judged from the first walk after step 512."""
     monkeypatch.setattr(sampling, "STALL_SECONDS", 0.001)
-    wd, live, forecasts = decode_mixed(counter, clock, "attributes", 256, 1000, step_seconds, caches=4)
+    wd, live, forecasts = decode_mixed(counter, clock, layout, 256, 1000, step_seconds, caches=4)
     assert (live[-1] - live[-513]) / 512 == pytest.approx(4.0)  # the truth, over two periods
     assert all(forecasts[n].sampled for n in range(512, 1001))  # the readings were samples
-    assert_reads(forecasts, 512, 1000, *expected("attributes", 4))
+    judged = 512 if layout == "attributes" else 520  # (one site: a walk after the cut at 512)
+    assert_reads(forecasts, judged, 1000, *expected(layout, 4))
 
 
 @pytest.mark.mlx_lm_neutral

@@ -177,12 +177,31 @@ class _InTurn(NamedTuple):
     first: bool  # the first of its group: walked from the allowance for short chains if need be
 
 
-def _pending_by_site(found: Sequence[Found], evaluated: Sequence[bool]) -> dict[str, list[int]]:
-    by_site: dict[str, list[int]] = {}
-    for i, done in enumerate(evaluated):
-        if not done:
-            by_site.setdefault(found[i].site, []).append(i)
-    return by_site
+def _position(f: Found) -> tuple:
+    """Where in a list or dict of its attribute an array sits: the keys of the item steps that end
+    its path (``state[1]``: (1,)); () for an attribute's own array."""
+    tail: list = []
+    for kind, key in reversed(f.steps):
+        if kind != "item":
+            break
+        tail.append(key)
+    return tuple(reversed(tail))
+
+
+def kinds(found: Sequence[Found]) -> dict[int, str]:
+    """Each array's kind, by ``id``: the pending arrays of one kind gain alike between readings
+    (a reading estimates one from another's gains). The kind is the array's site; where a site's
+    arrays sit at a few positions of a list, each position found in two caches or more (an
+    ``ArraysCache``'s [conv, ssm] state; a chain the program cuts beside a counter it never
+    evaluates), it is the site and the position: such arrays are not alike. (One position per
+    cache, a list of layers in one object, stays one kind: a clock per array would walk them all.)"""
+    positions: dict[str, dict[tuple, int]] = {}
+    for f in found:
+        counts = positions.setdefault(f.site, {})
+        at = _position(f)
+        counts[at] = counts.get(at, 0) + 1
+    split = {site for site, counts in positions.items() if len(counts) > 1 and min(counts.values()) > 1}
+    return {id(f): f"{f.site}{list(_position(f))}" if f.site in split else f.site for f in found}
 
 
 class Sampler:
@@ -201,6 +220,18 @@ class Sampler:
         self._present: set[tuple] = set()  # every array's key at the last reading
         self._root_keys: list = []
         self._keys: dict[int, tuple] = {}  # id(Found) -> its name, for the reading under way
+        self._kinds: dict[int, str] = {}  # id(Found) -> its kind (``kinds``), for the reading under way
+
+    def _pending_by_kind(self, found: Sequence[Found], evaluated: Sequence[bool]) -> dict[str, list[int]]:
+        """The pending arrays' indices by kind (``kinds``)."""
+        by_kind: dict[str, list[int]] = {}
+        for i, done in enumerate(evaluated):
+            if not done:
+                by_kind.setdefault(self._kinds[id(found[i])], []).append(i)
+        return by_kind
+
+    def _kind(self, f: Found) -> str:
+        return self._kinds.get(id(f), f.site)
 
     @property
     def max_nodes(self) -> int:
@@ -224,6 +255,7 @@ class Sampler:
         started, cpu_started = clock.wall(), graph.cpu_clock()
         self._root_keys = list(root_keys)
         self._keys = {} if keys is None else {id(f): key for f, key in zip(found, keys)}
+        self._kinds = kinds(found)
         limit = self.max_nodes
         predicted = self.predicted_nodes(step)
         probe = None
@@ -251,7 +283,7 @@ class Sampler:
         """Nothing read yet (a watchdog attached to caches that may already hold deep chains):
         walk one pending array per site first, and predict the rest from it. None: none pending."""
         evaluated = [is_evaluated(f.array) for f in found]
-        by_site = _pending_by_site(found, evaluated)
+        by_site = self._pending_by_kind(found, evaluated)
         if not by_site:
             return None
         counts = account([found[indices[0]].array for indices in by_site.values()])
@@ -318,11 +350,11 @@ class Sampler:
         groups: dict[_Group, list[int]] = {}
         moved: list[int] = []
         read_before = {
-            f.site for f, done in zip(found, evaluated) if not done and self._history(f) is not None
+            self._kind(f) for f, done in zip(found, evaluated) if not done and self._history(f) is not None
         }
         for i, done in enumerate(evaluated):
             if not done:
-                site, last = found[i].site, self._history(found[i])
+                site, last = self._kind(found[i]), self._history(found[i])
                 key = self._key(found[i])
                 if last is None and key not in self._present and site in read_before and site in self._clocks:
                     self._joined.setdefault(key, step)
@@ -424,7 +456,7 @@ class Sampler:
     ) -> None:
         """Move each site's clock to ``step``, and fill in ``retained`` and ``nodes`` of the pending
         arrays not walked."""
-        for site, indices in _pending_by_site(found, evaluated).items():
+        for site, indices in self._pending_by_kind(found, evaluated).items():
             walked_here = [i for i in indices if i in walked]
             walked_new = [i for i in walked_here if self._history(found[i]) is None]
             # Marks this step: the gains below are read from it.
@@ -447,7 +479,7 @@ class Sampler:
         """(retained, nodes) of an array read before: its own last walk and what its site gained
         since (still: nothing); or, joined the site since the site was read, what the site gained
         since (its own chain from before, a prompt's, is not known: low by that). None: neither."""
-        clock = self._clocks[f.site]
+        clock = self._clocks[self._kind(f)]
         last = self._history(f)
         if last is not None:
             gain = (0.0, 0.0) if last.still else clock.since(last.step, step)
@@ -464,7 +496,7 @@ class Sampler:
         else its site's size (nothing, for a site never seen)."""
         if like:
             return sum(retained[j] for j in like) / len(like), sum(nodes[j] for j in like) / len(like)
-        size = self._sizes.get(f.site)
+        size = self._sizes.get(self._kind(f))
         if size is None:
             return 0.0, 0.0
         site_nodes, site_retained = size.at(step)
@@ -473,7 +505,7 @@ class Sampler:
     def _expected_nodes(self, f: Found, step: int) -> float:
         """The nodes ``f``'s graph is expected to have at ``step``: its last walk and its site's
         growth since; never walked, its site's size (0 for a site never seen)."""
-        size = self._sizes.get(f.site)
+        size = self._sizes.get(self._kind(f))
         last = self._history(f)
         if last is None:
             joined = self._joined.get(self._key(f))
@@ -497,7 +529,7 @@ class Sampler:
     def _history(self, f: Found) -> _Walked | None:
         """Its last walk, when its site's clock has a mark then (and at its base)."""
         last = self._walked.get(self._key(f))
-        clock = self._clocks.get(f.site)
+        clock = self._clocks.get(self._kind(f))
         if (
             last is None
             or clock is None
@@ -546,7 +578,7 @@ class Sampler:
 
     def _learn(self, reading: Reading, step: int) -> None:
         walked = reading.walked_indices
-        per_site = _pending_by_site(reading.found, reading.evaluated)
+        per_site = self._pending_by_kind(reading.found, reading.evaluated)
         for site, indices in per_site.items():  # readings of every array tick here (samples did already)
             known = [i for i in indices if self._history(reading.found[i]) is not None]
             reference = self._reference(reading.found, known) if known and walked is None else None
