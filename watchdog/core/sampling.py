@@ -177,31 +177,33 @@ class _InTurn(NamedTuple):
     first: bool  # the first of its group: walked from the allowance for short chains if need be
 
 
-def _position(f: Found) -> tuple:
-    """Where in a list or dict of its attribute an array sits: the keys of the item steps that end
-    its path (``state[1]``: (1,)); () for an attribute's own array."""
-    tail: list = []
-    for kind, key in reversed(f.steps):
-        if kind != "item":
+def _position(path: str) -> str:
+    """Where in a list or dict of its attribute an array sits: the bracketed steps that end its
+    path (``[0].state[1]``: ``[1]``; "" for an attribute's own array). Read from the path's text:
+    the program's keys are never hashed or compared (that would run their code)."""
+    start = len(path)
+    while start and path[start - 1] == "]":
+        opening = path.rfind("[", 0, start)
+        if opening < 0:
             break
-        tail.append(key)
-    return tuple(reversed(tail))
+        start = opening
+    return path[start:]
 
 
-def kinds(found: Sequence[Found]) -> dict[int, str]:
-    """Each array's kind, by ``id``: the pending arrays of one kind gain alike between readings
+def kinds(found: Sequence[Found], evaluated: Sequence[bool]) -> dict[int, str]:
+    """Each pending array's kind, by ``id``: the pending arrays of one kind gain alike between readings
     (a reading estimates one from another's gains). The kind is the array's site; where a site's
     arrays sit at a few positions of a list, each position found in two caches or more (an
     ``ArraysCache``'s [conv, ssm] state; a chain the program cuts beside a counter it never
     evaluates), it is the site and the position: such arrays are not alike. (One position per
     cache, a list of layers in one object, stays one kind: a clock per array would walk them all.)"""
-    positions: dict[str, dict[tuple, int]] = {}
-    for f in found:
+    pending = [(f, _position(f.path)) for f, done in zip(found, evaluated) if not done]
+    positions: dict[str, dict[str, int]] = {}
+    for f, at in pending:
         counts = positions.setdefault(f.site, {})
-        at = _position(f)
         counts[at] = counts.get(at, 0) + 1
     split = {site for site, counts in positions.items() if len(counts) > 1 and min(counts.values()) > 1}
-    return {id(f): f"{f.site}{list(_position(f))}" if f.site in split else f.site for f in found}
+    return {id(f): f.site + at if f.site in split else f.site for f, at in pending}
 
 
 class Sampler:
@@ -220,18 +222,26 @@ class Sampler:
         self._present: set[tuple] = set()  # every array's key at the last reading
         self._root_keys: list = []
         self._keys: dict[int, tuple] = {}  # id(Found) -> its name, for the reading under way
-        self._kinds: dict[int, str] = {}  # id(Found) -> its kind (``kinds``), for the reading under way
+        # id(Found) -> its kind (``kinds``), for the reading under way (None: not noted yet)
+        self._kinds: dict[int, str] | None = None
 
     def _pending_by_kind(self, found: Sequence[Found], evaluated: Sequence[bool]) -> dict[str, list[int]]:
         """The pending arrays' indices by kind (``kinds``)."""
+        noted = self._note_kinds(found, evaluated)
         by_kind: dict[str, list[int]] = {}
         for i, done in enumerate(evaluated):
             if not done:
-                by_kind.setdefault(self._kinds[id(found[i])], []).append(i)
+                by_kind.setdefault(noted[id(found[i])], []).append(i)
         return by_kind
 
+    def _note_kinds(self, found: Sequence[Found], evaluated: Sequence[bool]) -> dict[int, str]:
+        """The kinds of the reading under way, worked out once it knows which arrays are pending."""
+        if self._kinds is None:
+            self._kinds = kinds(found, evaluated)
+        return self._kinds
+
     def _kind(self, f: Found) -> str:
-        return self._kinds.get(id(f), f.site)
+        return f.site if self._kinds is None else self._kinds.get(id(f), f.site)
 
     @property
     def max_nodes(self) -> int:
@@ -255,7 +265,7 @@ class Sampler:
         started, cpu_started = clock.wall(), graph.cpu_clock()
         self._root_keys = list(root_keys)
         self._keys = {} if keys is None else {id(f): key for f, key in zip(found, keys)}
-        self._kinds = kinds(found)
+        self._kinds = None  # (noted once the reading knows which arrays are pending)
         limit = self.max_nodes
         predicted = self.predicted_nodes(step)
         probe = None
@@ -329,6 +339,7 @@ class Sampler:
         """Walk what the stall budget allows, every site's reference first, and read the others from
         their last walk and their site's gain since, or like those walked (the module's docstring)."""
         evaluated = [is_evaluated(f.array) for f in found]
+        self._note_kinds(found, evaluated)
         groups, moved = self._group_pending(found, evaluated, step)
         references, always, in_turn = self._take_turns(found, step, groups, share=limit / predicted)
         chosen = moved + always
