@@ -45,6 +45,10 @@ STEADY = 64  # forward passes of one batch, at least, for a slope (a half spans 
 # reaches the endpoint (written at most once a second). (Not the hybrid: it decodes for longer, and
 # on vllm-mlx's watched server a batch that never empties would reach the stop's --limit.)
 FLAT_SECONDS = 5.0
+# ...each reply this long: clients asking again at once keep their stagger, so with CLIENTS replies
+# of TOKENS a request left or joined every TOKENS / CLIENTS = 50 steps, and no run of STEADY steps
+# at one batch size was left for the truth (a fresh-clone run, mlx-vlm).
+FLAT_TOKENS = 2 * TOKENS
 TOLERANCE = 0.05  # the reading, within 5% of the truth (of LEAK where the truth is about 0)
 
 # vllm-mlx's stop: a second batch that grows until the forecast puts --limit within --stop-within.
@@ -366,7 +370,12 @@ class Runs:
         return result
 
     def measured(self, server: Peer, model: str) -> dict:
-        workload = server.overlapping(self.models[model], min_seconds=FLAT_SECONDS if model == FLAT else 0.0)
+        flat = model == FLAT
+        workload = server.overlapping(
+            self.models[model],
+            max_tokens=FLAT_TOKENS if flat else TOKENS,
+            min_seconds=FLAT_SECONDS if flat else 0.0,
+        )
         workload["truth"] = truth_rate(server, workload)
         read = reading(workload, model)
         print(
