@@ -29,7 +29,7 @@ from support import Scheduler
 
 from mlx_watchdog import Watchdog
 from mlx_watchdog.attach.model import unwatch_model, watch_model
-from mlx_watchdog.core import census, graph
+from mlx_watchdog.core import census, graph, process_count
 from mlx_watchdog.exporters.prometheus import WatchdogCollector
 from mlx_watchdog.tiny import build_model, tiny_prompts
 
@@ -39,6 +39,9 @@ STEPS = 400
 STEP_SECONDS = 1 / 61  # a decode step on the watchdog's clock: a walk every ~31 steps after the dense ones
 CENSUS_SECONDS = 0.03  # what one census costs on that clock (~100,000 objects here: 20-60 ms)
 READ_FROM = 64  # the forecasts checked: from the end of the dense walks on
+# The process count measures its growth from readings spanning OUTSIDE_SPAN steps after its first
+# (the readings of the first steps left out): by this step at the latest, at walks 0.5 s apart.
+MEASURED_BY = 2 * process_count.OUTSIDE_SPAN + 32
 PROMPT = mx.array(list(range(1, 17)))
 
 
@@ -127,7 +130,9 @@ def test_a_scheduler_s_lazy_chains_are_named_at_their_rate(counter, clock, proce
                 and all(re.fullmatch(rf"<Scheduler#\d+>\.{name}", p) for p in leak.paths)
             )
         assert f.buffers_per_step == pytest.approx(true_rate, rel=0.15), f.describe()
-        assert f.unattributed_buffers_per_step == 0.0, f.describe()  # named: nothing left unexplained
+        # Named: nothing left unexplained (NaN while the process count has not measured it yet).
+        unattributed = f.unattributed_buffers_per_step
+        assert unattributed == 0.0 or (math.isnan(unattributed) and f.step < MEASURED_BY), f.describe()
         assert "outside:" in f.describe()
     # Found by the census at the first walk it was due (step 8 on), within its share of the budget.
     assert 1 <= wd.census.runs <= 3 and wd.census.off is None

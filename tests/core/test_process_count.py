@@ -11,6 +11,7 @@ watchdog works on without it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -152,6 +153,28 @@ def test_between_walks_the_resident_count_moves_as_the_exact_count_does(counter,
     moved = [(n, resident - resident0, exact - exact0) for n, resident, exact, _ in rows[last_walk:]]
     assert [n for n, read, true in moved if abs(read - true) > 1] == [], moved
     assert moved[-1][2] >= 10  # the truth moved: +30, then -20, beside the cache's own growth
+
+
+def test_the_unattributed_rate_is_not_a_number_until_the_count_has_measured_it(counter, fake_clock):
+    """The walk's rate is known within a few steps; the process count's needs readings spanning
+    OUTSIDE_SPAN steps. Between the two, the unattributed rate read 0: "no leak outside the
+    caches", before anything was measured (a leak there was first alerted on minutes late)."""
+    cache = Offset()
+    wd = Watchdog(limit=200_000, export=False, process_count=True)
+    read = []  # (step, rate known, unattributed, exported)
+    for n in range(1, 200):
+        fake_clock.now += 1 / 61
+        wd.observe(cache)
+        cache.advance()
+        f = wd.forecast()
+        if f.rate_known:
+            read.append((n, f.unattributed_buffers_per_step, metric(wd, UNATTRIBUTED_METRIC)))
+    assert read, "the walk's rate was never known"
+    early = [(n, u, m) for n, u, m in read if n < process_count.OUTSIDE_SPAN]
+    late = [(n, u, m) for n, u, m in read if n > 2 * process_count.OUTSIDE_SPAN + 32]
+    assert early and all(math.isnan(u) and math.isnan(m) for _, u, m in early), early
+    assert late and all(u == 0.0 and m == 0.0 for _, u, m in late), late  # measured: nothing outside
+    assert "unattributed" not in wd.forecast().describe()
 
 
 def test_without_the_count_the_same_leak_reads_no_growth(counter):

@@ -87,7 +87,8 @@ class Forecast:
     peak_resident_buffers: int = 0
     # With a count of the whole process (source "process", or MLX's own counter): the growth per
     # step that no named site explains (a program object outside the caches read, a compiled
-    # function's cache), included in buffers_per_step. 0 without a count, or within the noise.
+    # function's cache), included in buffers_per_step. 0 without a count, or within the noise;
+    # NaN while the process count's readings do not span enough steps to read it (48).
     unattributed_buffers_per_step: float = 0.0
     # Why the process-wide count is not read (None while it is): turned off, or its self-check failed.
     process_count_off: str | None = None

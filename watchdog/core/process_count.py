@@ -125,6 +125,7 @@ class ProcessCounter:
         # The highest spike above the floor each reading saw (noise, for the readings after it).
         self.spikes: collections.deque[float] = collections.deque(maxlen=2 * OUTSIDE_WINDOW)
         self.rate = 0.0  # buffers per step the process grows outside the caches read
+        self.measured = False  # its readings span enough steps for a rate (outside_rate's 0 is one)
         # (resident, raw count) of the last reading, one tuple: the exporter's thread reads it
         self._base: tuple[float, int] | None = None
         # Called at the entry of each step (an atomic store; the C function itself, no Python
@@ -164,6 +165,8 @@ class ProcessCounter:
         if step - self._first_step >= OUTSIDE_SETTLE or not self.outside:
             self.outside.append((step, beyond - self._origin))
         self.rate, spike = outside_rate(self.outside, max(self.spikes, default=0.0))
+        steps = {at for at, _ in self.outside}
+        self.measured = len(steps) >= OUTSIDE_READINGS and max(steps) - min(steps) >= OUTSIDE_SPAN
         self.spikes.append(spike)
         # A spike of temporaries in the latest reading is not held: the lowest of the last few.
         level = min(value for _, value in list(self.outside)[-LEVEL_READINGS:])

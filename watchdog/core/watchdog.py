@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import types
 import weakref
@@ -416,6 +417,8 @@ class Watchdog:
             unattributed = self._outside_rate()
             if isinstance(self._counter, BufferCounter) and growth.known:
                 unattributed = fc.unattributed_rate(rate, leaks)
+            elif isinstance(self._counter, ProcessCounter) and not self._counter.measured:
+                unattributed = math.nan  # not measured yet: no "0/step" that reads as no leak
             return fc.Forecast(
                 step=step,
                 resident_buffers=int(round(resident)),
