@@ -165,14 +165,20 @@ class ProcessCounter:
         if step - self._first_step >= OUTSIDE_SETTLE or not self.outside:
             self.outside.append((step, beyond - self._origin))
         self.rate, spike = outside_rate(self.outside, max(self.spikes, default=0.0))
-        steps = {at for at, _ in self.outside}
-        self.measured = len(steps) >= OUTSIDE_READINGS and max(steps) - min(steps) >= OUTSIDE_SPAN
+        self.measured = spanned(self.outside)
         self.spikes.append(spike)
         # A spike of temporaries in the latest reading is not held: the lowest of the last few.
         level = min(value for _, value in list(self.outside)[-LEVEL_READINGS:])
         resident = walked + max(0.0, level)
         self._base = (resident, raw)
         return resident
+
+
+def spanned(readings: Sequence[tuple[int, float]]) -> bool:
+    """Do ``(step, buffers)`` readings span enough for a rate: ``OUTSIDE_READINGS`` steps at least,
+    ``OUTSIDE_SPAN`` steps apart from first to last?"""
+    steps = {at for at, _ in readings}
+    return len(steps) >= OUTSIDE_READINGS and max(steps) - min(steps) >= OUTSIDE_SPAN
 
 
 def outside_rate(readings: Sequence[tuple[int, float]], noise: float = 0.0) -> tuple[float, float]:
@@ -190,7 +196,7 @@ def outside_rate(readings: Sequence[tuple[int, float]], noise: float = 0.0) -> t
         return 0.0, 0.0
     hull = lower_hull(points)
     spike = max(y - floor_at(hull, x) for x, y in points)
-    if len(points) < OUTSIDE_READINGS or points[-1][0] - points[0][0] < OUTSIDE_SPAN:
+    if not spanned(points):
         return 0.0, spike
     # Halves of the steps (the first readings are dense), sharing the reading nearest the middle.
     middle = (points[0][0] + points[-1][0]) / 2
