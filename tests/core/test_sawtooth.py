@@ -87,7 +87,7 @@ def clock(fake_clock):
 
 @pytest.mark.parametrize("interval", [8, 50, 256])
 def test_a_bounded_sawtooth_reads_no_leak_and_its_peak(counter, clock, interval):
-    base = counter.live()
+    base = counter.live(collect=True)  # garbage of tests before is not freed in the middle of this one
     caches = make_caches(2)
     wd = Watchdog(limit=LIMIT)
     seen = {}
@@ -120,7 +120,7 @@ def test_a_bounded_sawtooth_reads_no_leak_and_its_peak(counter, clock, interval)
 
 @pytest.mark.parametrize("interval", [8, 50, 256])
 def test_a_sawtooth_whose_peaks_grow_reads_their_growth(counter, clock, interval):
-    base = counter.live()
+    base = counter.live(collect=True)  # garbage of tests before is not freed in the middle of this one
     caches = make_caches(3)
     wd = Watchdog(limit=LIMIT)
     # The program evaluates two of the three caches: its peaks grow a buffer a step.
@@ -143,7 +143,7 @@ def test_a_sawtooth_whose_peaks_grow_reads_their_growth(counter, clock, interval
 
 def test_a_leak_the_program_never_cuts_is_read_as_fast_as_before(counter, clock):
     """No cut, no sawtooth: a chain that only grows is a leak from its first readings."""
-    base = counter.live()
+    base = counter.live(collect=True)  # garbage of tests before is not freed in the middle of this one
     caches = make_caches(2)
     wd = Watchdog(limit=LIMIT)
     read = {}
@@ -183,7 +183,7 @@ def test_a_bounded_sawtooth_stays_bounded_while_requests_come_and_go(counter, cl
 
 
 def test_a_sawtooth_the_program_stops_cutting_is_a_leak_again(counter, clock):
-    base = counter.live()
+    base = counter.live(collect=True)  # garbage of tests before is not freed in the middle of this one
     caches = make_caches(2)
     wd = Watchdog(limit=LIMIT)
     read = {}
@@ -289,7 +289,7 @@ def decode_mixed(counter, clock, layout, period, steps, step_seconds, caches=1):
     """``steps`` steps over ``caches`` Mixed caches, the sawtooth cut every ``period``; a step
     takes ``step_seconds`` on the watchdog's clock (the fake one, or time.sleep where ``clock`` is
     None). Returns the watchdog, the exact live count after each step and the forecasts by step."""
-    base = counter.live()
+    base = counter.live(collect=True)  # garbage of tests before is not freed in the middle of this one
     mixed = [Mixed(layout) for _ in range(caches)]
     wd = Watchdog(limit=LIMIT, export=False)
     live, forecasts = [], {}
@@ -359,7 +359,7 @@ def test_a_period_of_256_is_judged_within_two_periods_whatever_the_step_takes(
 @pytest.mark.mlx_lm_neutral
 @pytest.mark.parametrize("step_seconds", [1 / 61, 1 / 500])
 def test_a_bounded_period_of_256_is_never_a_leak(counter, clock, step_seconds):
-    base = counter.live()
+    base = counter.live(collect=True)  # garbage of tests before is not freed in the middle of this one
     caches = make_caches(4)
     wd = Watchdog(limit=LIMIT, export=False)
     forecasts = {}

@@ -213,7 +213,7 @@ class SawtoothCache:
 def sawtooth(counter):
     """Two chains the program cuts every 8 steps (it evaluates its cache state): bounded, no
     leak. The exact count after each step goes with it."""
-    base = counter.live()
+    base = counter.live(collect=True)  # garbage of tests before is not freed in the middle of this one
     caches = [SawtoothCache(), SawtoothCache()]
     mx.eval([c.offset for c in caches])
     wd = Watchdog(name="exp-sawtooth", overhead_budget=0.5, walk_interval=0)

@@ -100,16 +100,19 @@ class _DeepWalker:
         while True:
             job, box = self._jobs.get()
             started = clock.cpu()
+            result: tuple[bool, str | BaseException]
             try:
-                box.append((True, job()))
+                result = (True, job())
             except BaseException as exc:  # handed back to the caller, which raises it
-                box.append((False, exc))
-            finally:
-                self.cpu_seconds += clock.cpu() - started  # before the caller wakes
-                box[0].set()
-                # The job holds the arrays it walked: kept in this frame until the next walk, they
-                # would keep their buffers alive after the program dropped them.
-                del job, box
+                result = (False, exc)
+            # The job holds the arrays it walked. Dropped only after the caller woke, they would stay
+            # alive while this thread waits for a core, after the program dropped them.
+            del job
+            self.cpu_seconds += clock.cpu() - started  # before the caller wakes
+            done = box[0]
+            box.append(result)
+            del box, result
+            done.set()
 
     def run(self, job: Callable[[], str]) -> str:
         done = threading.Event()
