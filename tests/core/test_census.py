@@ -17,6 +17,7 @@ the same on any machine. The census is off in this suite unless a test asks (tes
 from __future__ import annotations
 
 import gc
+import inspect
 import math
 import re
 import statistics
@@ -95,6 +96,12 @@ def decode(counter, wd: Watchdog, scheduler: Scheduler | None, steps: int = STEP
     return (n1 - n0) / (s1 - s0), forecasts
 
 
+def _line_of(function, text: str) -> int:
+    """The line of ``function``'s source that holds ``text``."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
 def leak_sites(f) -> dict[str, float]:
     return {leak.site: leak.buffers_per_step for leak in f.leaks}
 
@@ -134,6 +141,13 @@ def test_a_scheduler_s_lazy_chains_are_named_at_their_rate(counter, clock, proce
         unattributed = f.unattributed_buffers_per_step
         assert unattributed == 0.0 or (math.isnan(unattributed) and f.step < MEASURED_BY), f.describe()
         assert "outside:" in f.describe()
+    # Where the program rebinds each one: the line of Scheduler.step that does (tests/support.py),
+    # found by a one-step probe of its class, which gives the class back as it was.
+    lines = {name: _line_of(Scheduler.step, f"self.{name} = ") for name in per_chain}
+    for name, line in lines.items():
+        [leak] = named(forecasts[-1], name)
+        assert leak.source == f"support.py:{line} Scheduler.step", forecasts[-1].describe()
+    assert "__setattr__" not in vars(Scheduler)
     # Found by the census at the first walk it was due (step 8 on), within its share of the budget.
     assert 1 <= wd.census.runs <= 3 and wd.census.off is None
     assert wd.census.seconds <= census.SHARE * max(0.01 * wd.steps * STEP_SECONDS, 0.25) + 1e-9

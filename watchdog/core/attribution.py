@@ -19,20 +19,21 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import mlx.core as mx
 
 from .arrays import MAX_SITE_LEN, follow
 from .caches import kept_site, live_site
+from .census import is_outside_site
 from .graph import is_evaluated
 
 MAX_RECORDS = 256  # assignments noted before a probe ends itself (a step of a very deep model)
 _MISSING = object()
 # One probe per class at a time, whichever watchdog asks: two stacked hooks could not both be
 # taken off exactly.
-_active: dict[type, SetattrProbe] = {}
+_active: dict[int, SetattrProbe] = {}  # by id: a program's metaclass may hash as it likes
 _active_lock = threading.Lock()
 
 
@@ -66,10 +67,11 @@ def _pending(value: Any) -> bool:
 class SetattrProbe:
     """A temporary ``__setattr__`` on ``cls`` that notes where ``attr`` is rebound to pending arrays."""
 
-    def __init__(self, cls: type, attr: str, on_done=None):
+    def __init__(self, cls: type, attr: str, site: str | None = None, on_done=None):
         # on_done(probe) runs once it detached; a WeakMethod does not keep its owner alive
         # (the class holds the hook, the hook this probe, while attached).
         self.cls, self.attr, self.on_done = cls, attr, on_done
+        self.site = site or f"{cls.__name__}.{attr}"[:MAX_SITE_LEN]  # where its source is filed
         self.records: collections.Counter = collections.Counter()
         self.order: list[str] = []  # first seen first: breaks ties
         self._seen: set[int] = set()
@@ -95,7 +97,7 @@ class SetattrProbe:
                 probe._note(obj, sys._getframe(1))
 
         with _active_lock:
-            if cls in _active:  # another watchdog probes it now: try again later
+            if id(cls) in _active:  # another watchdog probes it now: try again later
                 self.busy = True
                 return False
             try:
@@ -104,7 +106,7 @@ class SetattrProbe:
                 self.error = f"{type(exc).__name__}: {exc}"
                 return False
             self._saved, self._hook = saved, __setattr__
-            _active[cls] = self
+            _active[id(cls)] = self
         return True
 
     def _note(self, obj: Any, frame) -> None:
@@ -135,8 +137,8 @@ class SetattrProbe:
                     type.__setattr__(cls, "__setattr__", self._saved)
             self._saved = _MISSING
             with _active_lock:
-                if _active.get(cls) is self:
-                    del _active[cls]
+                if _active.get(id(cls)) is self:
+                    del _active[id(cls)]
             self._seen.clear()
         done = self.on_done() if isinstance(self.on_done, weakref.WeakMethod) else self.on_done
         if done is not None:
@@ -162,24 +164,43 @@ class Attribution:
         # A watchdog that dies with a probe attached still gives the classes back.
         self._finalizer = weakref.finalize(self, _detach_all, self._probes)
 
-    def consider(self, leaks: Sequence, found: Sequence, roots: Sequence[Any]) -> None:
+    def consider(
+        self,
+        leaks: Sequence,
+        found: Sequence,
+        roots: Sequence[Any],
+        outside: Callable[[], Mapping[str, tuple[type, str]]] = dict,
+    ) -> None:
         """After a walk: end the probes of the step before, start one for each leaking site not
-        tried yet. ``found``: the walk's arrays; ``roots``: the objects their ``root`` indexes."""
+        tried yet. ``found``: the walk's arrays; ``roots``: the objects their ``root`` indexes;
+        ``outside()``: the class and attribute of each site the census follows (asked only when
+        one of them is to be probed)."""
         self.finish()
         try:
-            self._start(leaks, found, roots)
+            self._start(leaks, found, roots, outside)
         except Exception:  # an odd object graph: no source line, never a broken reading
             pass
 
-    def _start(self, leaks: Sequence, found: Sequence, roots: Sequence[Any]) -> None:
+    def _start(
+        self,
+        leaks: Sequence,
+        found: Sequence,
+        roots: Sequence[Any],
+        outside: Callable[[], Mapping[str, tuple[type, str]]],
+    ) -> None:
+        owners: Mapping[str, tuple[type, str]] | None = None
         for leak in leaks:
             if leak.site in self._tried or kept_site(leak.site):  # a kept cache is rebound no more
                 continue
             self._tried.add(leak.site)
-            target = _owner(leak.site, found, roots)
+            if is_outside_site(leak.site):
+                owners = outside() if owners is None else owners
+                target = owners.get(leak.site)
+            else:
+                target = _owner(leak.site, found, roots)
             if target is None:
                 continue
-            probe = SetattrProbe(*target, on_done=weakref.WeakMethod(self._done))
+            probe = SetattrProbe(*target, site=leak.site, on_done=weakref.WeakMethod(self._done))
             if probe.attach():
                 self._probes.append(probe)
             elif probe.busy:
@@ -198,7 +219,7 @@ class Attribution:
     def _done(self, probe: SetattrProbe) -> None:
         source = probe.source
         if source is not None:
-            self.sources[f"{probe.cls.__name__}.{probe.attr}"[:MAX_SITE_LEN]] = source
+            self.sources[probe.site] = source
         try:
             self._probes.remove(probe)
         except ValueError:

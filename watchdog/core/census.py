@@ -129,6 +129,7 @@ class Holding:
     path: str  # "<Scheduler#3>.history"
     serial: int  # names its arrays across readings (an id may be reused by another holder)
     holder: int  # names its holder in paths
+    attribute: str  # the attribute's code name, or a placeholder (``<attr 3>``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +207,16 @@ class Census:
             self.read_seconds += clock.wall() - started
 
     # ----------------------------------------------------------------- reading
+
+    def owners(self) -> dict[str, tuple[type, str]]:
+        """Each followed site's holder class and attribute, from a holder alive now: where a probe
+        (``attribution.py``) can find the line that rebinds it."""
+        out: dict[str, tuple[type, str]] = {}
+        for holding in self._holdings.copy().values():
+            holder = holding.ref()
+            if holder is not None and holding.site not in out and code_name(holding.attribute):
+                out[holding.site] = (type(holder), holding.attribute)
+        return out
 
     def _tally(self, step: int, found: Sequence[Found], sites: dict[str, SiteCount] | None) -> float:
         """The buffers of the attributes followed, and their sites' tallies."""
@@ -352,7 +363,7 @@ class Census:
         # Its path names the holder by a number of its own, the same for each of its attributes.
         number = next((h.holder for h in self._holdings.copy().values() if h.ref() is holder), self._serial)
         path = f"<{info(cls).name}#{number}>.{name}"
-        self._holdings[key] = Holding(ref, step, site, path, self._serial, number)
+        self._holdings[key] = Holding(ref, step, site, path, self._serial, number, name)
         return True
 
     def _gone(self, key: tuple[int, Any]) -> Callable[[weakref.ref], None]:

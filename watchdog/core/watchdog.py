@@ -731,7 +731,7 @@ class Watchdog:
             reading = dataclasses.replace(reading, resident=self._counter.reading(step, reading.walked))
         self._record(reading, probe, given)
         # Once per leaking site: a probe of its class for the step that starts now (attribution.py).
-        self._attribution.consider(self._growth.leaks, found, [roots] + others)
+        self._attribution.consider(self._growth.leaks, found, [roots] + others, self.census.owners)
         self._schedule.walked(step, clock.wall() - t0, graph.cpu_clock() - cpu0)
         self._call_back()
         return [(f.site, f.array) for f in pending]
