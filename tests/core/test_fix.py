@@ -800,3 +800,61 @@ def test_resident_between_walks_follows_the_fix_sawtooth(counter, probes, monkey
             c.step()
     assert wd.walks < 40 and wd.materialized_arrays > 0  # few walks, the fix ran
     assert not misses, misses[:10]
+
+
+class BatchCache:
+    """A batch's cache: keys the program evaluates every step, an offset per row it never does (a
+    buffer a step), and a filter that rebuilds the batch shorter in place and evaluates it (a
+    request ended: the chain is cut by the program, once)."""
+
+    def __init__(self, rows: int):
+        self.keys = mx.zeros((rows, 2, 4, 4))
+        self.offset = mx.zeros((rows,))
+        mx.eval(self.keys, self.offset)
+
+    def step(self) -> None:
+        self.keys = self.keys + 1
+        mx.eval(self.keys)
+        self.offset = self.offset + 1
+
+    def filter(self, rows: int) -> None:
+        self.keys, self.offset = self.keys[:rows], self.offset[:rows]
+        mx.eval(self.keys, self.offset)
+
+
+def test_a_probe_across_a_batch_filtered_in_place_still_reads_what_the_fix_cuts(counter):
+    # The truth: what the offsets' chains grow a step, unwatched (the exact count).
+    caches = [BatchCache(4) for _ in range(3)]
+    before = counter.live(collect=True)
+    for _ in range(20):
+        for c in caches:
+            c.step()
+    truth = (counter.live() - before) / 20
+    caches = [BatchCache(4) for _ in range(3)]
+    wd = Watchdog(fix=True, export=False, walk_interval=0, overhead_budget=1.0)
+    filtered_at = None
+    for step in range(1, 241):
+        wd.observe(caches)
+        for c in caches:
+            c.step()
+        probe = wd._fixer.probe
+        # The batch is filtered within a probe that ends before the rows are looked at again.
+        if (
+            filtered_at is None
+            and step > 40
+            and probe is not None
+            and probe.start <= step < probe.end
+            and all(s % core.ROWS_EVERY for s in range(step + 1, probe.end + 1))
+        ):
+            for c in caches:
+                c.filter(3)
+            filtered_at = step
+        if filtered_at is not None and step > filtered_at:
+            # Before: the probe read the cut as a drain (-45 a step), and the site no leak for
+            # ~100 steps, while the fix still cut 3 buffers a step.
+            [leak] = wd.forecast().leaks
+            assert leak.site == "BatchCache.offset", wd.forecast().describe()
+            assert leak.buffers_per_step == pytest.approx(truth, rel=0.15), (step, wd.forecast().describe())
+    assert filtered_at is not None
+    assert wd.forecast().leaks[0].cut and wd.materialized_arrays > 0
+    assert wd.internal_errors == 0

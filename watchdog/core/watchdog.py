@@ -595,7 +595,11 @@ class Watchdog:
         if isinstance(counter, ProcessCounter):  # (the resident count between walks)
             counter.step()
         pace.thread = get_ident()
-        if not step % ROWS_EVERY and self._rows.probe is not None and self._rows.changed(roots, step):
+        fixer = self._fixer
+        # A probe's end looks at the rows too: a batch filtered in place within its 1-3 steps
+        # would read as growth of its own (a batch evaluated shorter: as a chain the program drains).
+        look = not step % ROWS_EVERY or (fixer.probe is not None and step >= fixer.probe.end)
+        if look and self._rows.probe is not None and self._rows.changed(roots, step):
             self._scope.changed()
         if self._scope.version != epochs.version:
             self._new_epoch(step)
@@ -603,7 +607,6 @@ class Watchdog:
         # In fix mode a walk that saw a pending graph starts a probe (fix.py), a second walk 1-3
         # steps later ends it. With nothing pending there is nothing to measure or cut.
         walked_pending = None
-        fixer = self._fixer
         if fixer.probe is not None:
             probe = fixer.end_probe(step)
             if probe is not None:
