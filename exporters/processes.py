@@ -9,8 +9,11 @@ label on every sample.
 
 A process writes what its own ``WatchdogCollector`` exports, from a daemon thread, at most once
 per ``interval`` and only when its watchdogs changed (a step, one retired or added, the decode
-going idle); the file is replaced atomically and removed at exit. At each scrape the supervisor
-reads every file, drops those of dead processes, merges the families by name and adds ``pid``.
+going idle); the file is replaced atomically. At exit it writes once more, so that its last word
+(a stop, its forecast) is in the file. At each scrape the supervisor reads every file, merges the
+families by name and adds ``pid``. The file of a process that exited is served ``keep_exited``
+seconds more from when a scrape first found it gone (a training run stopped a second in is still
+seen by a scrape a minute apart), then removed.
 It adds each process's standard ``process_*`` metrics (memory, CPU, open files) itself, read
 through psutil at scrape time: they are always fresh, while a snapshot of an idle process is
 rewritten only when something changes.
@@ -31,6 +34,7 @@ import logging
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +52,9 @@ from .server import DEFAULT_PORT, MetricsServer, start_metrics_server
 logger = logging.getLogger("mlx_watchdog")
 
 DEFAULT_INTERVAL = 1.0  # seconds between two looks at the watchdogs (a write only when they changed)
+# Seconds an exited process's last snapshot is served: two scrapes at Prometheus's default 1 minute.
+KEEP_EXITED_SECONDS = 120.0
+LAST_WRITE_SECONDS = 2.0  # the most a process's exit waits for its last snapshot
 SUFFIX = ".prom"
 PID_LABEL = "pid"
 _HEADER = "# mlx-watchdog snapshot pid={pid} started={started!r}\n"
@@ -89,7 +96,7 @@ class SnapshotWriter:
         self.errors = 0
         self._reset_process_state()
         _writers.add(self)
-        atexit.register(_remove_at_exit, weakref.ref(self))
+        atexit.register(_last_at_exit, weakref.ref(self))
 
     def _reset_process_state(self) -> None:
         self._lock = threading.Lock()
@@ -127,6 +134,26 @@ class SnapshotWriter:
             self._closed = True
             if remove:
                 _unlink(self.path)
+
+    def finish(self, timeout: float = LAST_WRITE_SECONDS) -> None:
+        """Stop writing after one last snapshot (at exit: a stop made just before is in it). The
+        file stays for the supervisor, which serves it a while and then removes it. Waits at most
+        ``timeout`` for it: a daemon thread of the program may hold a watchdog mid-walk."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(1.0, 2 * self.interval))
+
+        def last() -> None:
+            try:
+                self.write(force=True)
+            except Exception:  # the folder is gone (the supervisor ended), or the exposition failed
+                pass
+
+        writing = threading.Thread(target=last, name="mlx-watchdog-snapshot", daemon=True)
+        writing.start()
+        writing.join(timeout)
+        self._closed = True  # (not under the lock: a write still waiting may hold it)
 
     def write(self, force: bool = False) -> bool:
         """Write the snapshot if the watchdogs changed since the last one (``force``: anyway).
@@ -184,10 +211,10 @@ class SnapshotWriter:
             self.start()
 
 
-def _remove_at_exit(ref: weakref.ref) -> None:
+def _last_at_exit(ref: weakref.ref) -> None:
     writer = ref()
-    if writer is not None and not writer._closed:  # noqa: SLF001 (this module's class)
-        writer.stop(remove=True)
+    if writer is not None:
+        writer.finish()
 
 
 def _after_fork_in_child() -> None:
@@ -214,9 +241,19 @@ class ProcessesCollector:
 
     A file is parsed again only when it was replaced: an idle process costs a scrape no parse."""
 
-    def __init__(self, folder: str | os.PathLike, *, process_metrics: bool = True):
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        process_metrics: bool = True,
+        keep_exited: float = KEEP_EXITED_SECONDS,
+    ):
+        if not keep_exited >= 0:
+            raise ValueError(f"keep_exited must be a number of seconds >= 0, got {keep_exited!r}")
         self.folder = Path(folder)
         self.process_metrics = process_metrics
+        self.keep_exited = float(keep_exited)
+        self._exited: dict[Path, float] = {}  # a gone process's file -> when a scrape first saw it gone
         self._warned: set[str] = set()
         self._parsed: dict[Path, _Snapshot] = {}
         self._lock = threading.Lock()  # scrapes may come on several server threads at once
@@ -236,11 +273,12 @@ class ProcessesCollector:
             snapshot = self._snapshot(pid, path)
             if snapshot is None:
                 continue
-            if not _alive(pid, snapshot.started):
-                _unlink(path)
+            if _alive(pid, snapshot.started):
+                pids.append(pid)  # (its process_* metrics: read now, from the live process)
+                self._exited.pop(path, None)  # (a new process with a gone one's pid)
+            elif not self._served_after_exit(path):
                 continue
             seen.add(path)
-            pids.append(pid)
             for family in snapshot.families:
                 merged = families.get(family.name)
                 if merged is None:
@@ -258,7 +296,18 @@ class ProcessesCollector:
                 merged.samples.extend(family.samples)
         for path in [p for p in self._parsed if p not in seen]:
             del self._parsed[path]
+        for path in [p for p in self._exited if p not in seen]:
+            del self._exited[path]
         return families, pids
+
+    def _served_after_exit(self, path: Path) -> bool:
+        """Is the file of a process that exited still served (``keep_exited``)? Removed once not."""
+        now = time.monotonic()
+        gone_since = self._exited.setdefault(path, now)
+        if now - gone_since < self.keep_exited:
+            return True
+        _unlink(path)
+        return False
 
     def _snapshot(self, pid: int, path: Path) -> _Snapshot | None:
         """The file's families with the pid label, parsed again only when the file changed."""
@@ -324,12 +373,17 @@ class ProcessesRegistry(CollectorRegistry):
 
 
 def start_processes_server(
-    folder: str | os.PathLike, port: int = DEFAULT_PORT, addr: str = "127.0.0.1", **options: Any
+    folder: str | os.PathLike,
+    port: int = DEFAULT_PORT,
+    addr: str = "127.0.0.1",
+    *,
+    keep_exited: float = KEEP_EXITED_SECONDS,
+    **options: Any,
 ) -> MetricsServer:
     """Serve ``/metrics`` with the snapshots in ``folder`` merged (:class:`ProcessesCollector`).
     ``options`` go to :func:`~mlx_watchdog.exporters.server.start_metrics_server` (TLS, limits)."""
     registry = ProcessesRegistry()
-    registry.register(ProcessesCollector(folder))
+    registry.register(ProcessesCollector(folder, keep_exited=keep_exited))
     return start_metrics_server(port, addr, registry=registry, **options)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,6 +29,8 @@ BUCKETS = 32  # batch lengths, 32 tokens apart: the trainer pads to a multiple o
 # the scrapes read, written once a second, showed 4 or 5 steps by chance.)
 LIMIT = 600
 STOP_WITHIN = 10
+LINGER = 120  # seconds the endpoint stays after the trainer exits (the test ends it with SIGINT)
+LINGERING = "its last metrics stay at"
 
 
 def write_dataset(folder: Path) -> None:
@@ -59,7 +62,7 @@ def scrape(url: str) -> dict:
     values: dict = {}
     for family in text_string_to_metric_families(body.decode()):
         for s in family.samples:
-            key = s.labels.get("function") or s.labels.get("site")
+            key = s.labels.get("function") or s.labels.get("site") or s.labels.get("reason")
             values[(s.name, key) if key else s.name] = s.value
     return values
 
@@ -72,6 +75,7 @@ def test_mlx_lm_lora_is_watched_per_step_and_stopped_with_its_adapters_saved(tmp
     command = [
         PYTHON, "-m", "mlx_watchdog", "run", "--metrics-port", str(port),
         "--limit", str(LIMIT), "--stop-within", str(STOP_WITHIN), "--walk-interval", "0",
+        "--linger", str(LINGER),
         "--", PYTHON, "-m", "mlx_lm", "lora", "--model", str(model), "--train",
         "--data", str(tmp_path / "data"), "--iters", "200", "--batch-size", "2", "--num-layers", "1",
         "--val-batches", "1", "--steps-per-report", "1000", "--steps-per-eval", "1000",
@@ -87,7 +91,8 @@ def test_mlx_lm_lora_is_watched_per_step_and_stopped_with_its_adapters_saved(tmp
     seen: list[dict] = []
     try:
         deadline = time.monotonic() + 240
-        while proc.poll() is None:
+        while LINGERING not in log.read_text(errors="replace"):
+            assert proc.poll() is None, f"run exited without lingering:\n{log_tail(log)}"
             assert time.monotonic() < deadline, f"the training did not stop:\n{log_tail(log)}"
             try:
                 values = scrape(url)
@@ -96,6 +101,12 @@ def test_mlx_lm_lora_is_watched_per_step_and_stopped_with_its_adapters_saved(tmp
             if values.get("mlx_watchdog_steps_total"):
                 seen.append(values)
             time.sleep(0.1)
+        # The trainer has exited; its last snapshot (written at its exit) is still served.
+        after = scrape(url)
+        lingered = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)  # Ctrl-C: no need to wait the rest of the linger
+        proc.wait(timeout=30)
+        assert time.monotonic() - lingered < LINGER / 4, "SIGINT did not end the linger"
     finally:
         stop_process(proc, group=True)
     text = log.read_text()
@@ -126,3 +137,11 @@ def test_mlx_lm_lora_is_watched_per_step_and_stopped_with_its_adapters_saved(tmp
     assert 0 < last["mlx_watchdog_steps_to_limit"] < LIMIT
     assert 0 < last["mlx_watchdog_time_to_limit_seconds"] < float("inf")
     assert last["mlx_watchdog_resource_limit_buffers"] == LIMIT
+
+    # After the exit (run --linger): the stop, the forecast that made it and every step, even a
+    # stop that came between two of the snapshots written once a second.
+    assert after.get(("mlx_watchdog_stops_total", "forecast")) == 1, sorted(after)
+    assert after["mlx_watchdog_stop_forecast_held"] == 1
+    assert after["mlx_watchdog_steps_total"] >= steps[-1]
+    assert 0 < after[("mlx_watchdog_last_stop_steps_to_limit", "forecast")] <= STOP_WITHIN
+    assert after[("mlx_watchdog_last_stop_leak_buffers_per_step", f"compiled:{STEP}")] > 0

@@ -413,6 +413,9 @@ def test_exit_status_passes_through(capfd):
     assert "no command to run" in capfd.readouterr().err
     assert cli.main(["run", "--no-metrics", PYTHON, "app.py"]) == 2
     assert "the command goes after `--`" in capfd.readouterr().err
+    for bad in ("-1", "nan", "soon"):
+        assert cli.main(["run", "--linger", bad, "--", PYTHON, "-c", "pass"]) == 2
+        assert f"argument --linger: expected a number of seconds >= 0, got {bad!r}" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("signame, status", [("SIGTERM", 3), ("SIGHUP", 128 + signal.SIGHUP)])
@@ -778,7 +781,7 @@ def test_merged_collector_labels_every_sample_and_drops_dead_processes(tmp_path)
         snapshot_path(tmp_path, gone.pid).write_text(mine.replace(str(os.getpid()), str(gone.pid)))
         (tmp_path / "notes.txt").write_text("not a snapshot")
         registry = CollectorRegistry()
-        registry.register(ProcessesCollector(tmp_path))
+        registry.register(ProcessesCollector(tmp_path, keep_exited=0))
         text = generate_latest(registry).decode()
         steps = samples(text, "mlx_watchdog_steps_total")
         assert sorted(lab["pid"] for lab, _ in steps) == sorted([str(os.getpid()), str(sleeper.pid)])
@@ -798,6 +801,43 @@ def test_merged_collector_labels_every_sample_and_drops_dead_processes(tmp_path)
         sleeper.wait()
         wd.export = False
         writer.stop()
+
+
+def test_an_exited_process_s_last_snapshot_is_served_a_while_then_removed(tmp_path, monkeypatch):
+    """A process writes its last snapshot at exit; the supervisor serves it ``keep_exited`` seconds
+    from the scrape that first found the process gone (its process_* metrics no longer), then
+    removes it."""
+    from mlx_watchdog.exporters import processes
+
+    code = textwrap.dedent(
+        f"""
+        from mlx_watchdog import Watchdog
+        from mlx_watchdog.exporters.processes import SnapshotWriter
+        wd = Watchdog(name="exited")
+        SnapshotWriter({str(tmp_path)!r}, interval=60).start()  # its first write: no stop yet
+        wd.steps += 3
+        wd.record_stop("forecast")  # just before the exit: only the last snapshot has it
+        """
+    )
+    child = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".prom"]
+    pid = path.stem
+    now = [1000.0]
+    monkeypatch.setattr(processes.time, "monotonic", lambda: now[0])
+    registry = CollectorRegistry()
+    registry.register(ProcessesCollector(tmp_path, keep_exited=60))
+    for later in (0, 30, 59):
+        now[0] = 1000.0 + later
+        text = generate_latest(registry).decode()
+        assert samples(text, "mlx_watchdog_stops_total") == [
+            ({"reason": "forecast", "watchdog": "exited", "pid": pid}, 1.0)
+        ]
+        assert [v for _, v in samples(text, "mlx_watchdog_steps_total")] == [3.0]
+        assert not samples(text, "process_cpu_seconds_total")  # no process to read them from
+    now[0] = 1060.0
+    text = generate_latest(registry).decode()
+    assert not samples(text, "mlx_watchdog_steps_total") and not path.exists()
 
 
 def test_a_forked_child_exports_inherited_watchdogs_only_once_they_step_there(tmp_path):

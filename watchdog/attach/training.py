@@ -63,6 +63,7 @@ _exit_on_stop = False
 
 
 _training_stopped: type | None = None
+_kept_at_exit: list[Any] = []  # models of trainings stopped by exiting (see TrainingWatch.stop)
 
 
 def _stopped_class() -> type[BaseException]:
@@ -287,6 +288,9 @@ class StepWatch:
             + (f" To fix it: {fix}." if fix else "")
         )
         if self.exit_on_stop:
+            # Kept to the end: were the model freed as the exit unwinds, its watchdog would be
+            # retired before the last metrics are written, and the stop lost with it.
+            _kept_at_exit.append(self.model)
             sys.stderr.write(message + "\n")
             sys.stderr.flush()
             raise SystemExit(EXIT_STOPPED)

@@ -26,6 +26,7 @@ Python process says hello within ``HELLO_SECONDS`` and one line says that nothin
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shlex
@@ -81,6 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "answer by failing the running requests; the program goes on",
     )
     add_metrics_arguments(group)
+    parser.add_argument(
+        "--linger",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="after COMMAND exits, serve its last metrics SECONDS more before exiting with its "
+        "status (a training run or batch job that stopped before the limit: the stop reaches the "
+        "next scrape); Ctrl-C or SIGTERM ends the wait (default: 0)",
+    )
     parser.add_argument(
         "--allow-unwatched",
         action="store_true",
@@ -252,7 +262,13 @@ def run(args: argparse.Namespace, command: Sequence[str] | None = None) -> int:
         if problem is None:
             hello = _watch_for_hello(child, state, shown)
         status = _wait(child)
-        return 128 - status if status < 0 else status
+        status = 128 - status if status < 0 else status
+        linger = float(getattr(args, "linger", 0.0) or 0.0)
+        if metrics is not None and linger > 0:
+            restore()
+            restore = lambda: None  # noqa: E731
+            _linger(linger, metrics.url, status)
+        return status
     finally:
         if hello is not None:
             hello.cancel()
@@ -262,6 +278,37 @@ def run(args: argparse.Namespace, command: Sequence[str] | None = None) -> int:
         shutil.rmtree(state, ignore_errors=True)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _linger(seconds: float, url: str, status: int) -> None:
+    """Serve the metrics ``seconds`` more, or until SIGINT, SIGTERM or SIGHUP."""
+    print(
+        f"{PROG} run: the program exited with status {status}; its last metrics stay at {url} for "
+        f"{seconds:g} s (Ctrl-C to leave now)",
+        file=sys.stderr,
+        flush=True,
+    )
+    leave = threading.Event()
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            if signum is not None:
+                previous[signum] = signal.signal(signum, lambda *_: leave.set())
+    try:
+        leave.wait(seconds)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def _resolve(name: str) -> str | None:
     if os.sep in name or (os.altsep and os.altsep in name):
         return name if os.path.exists(name) else None
@@ -269,11 +316,12 @@ def _resolve(name: str) -> str | None:
 
 
 def _start_metrics(args: argparse.Namespace, state: str) -> Any:
-    from ..exporters.processes import start_processes_server
+    from ..exporters.processes import KEEP_EXITED_SECONDS, start_processes_server
 
+    keep = max(KEEP_EXITED_SECONDS, float(getattr(args, "linger", 0.0) or 0.0))
     try:
         return start_processes_server(
-            state, args.metrics_port, args.metrics_addr, **metrics_server_options(args)
+            state, args.metrics_port, args.metrics_addr, keep_exited=keep, **metrics_server_options(args)
         )
     except (OSError, ValueError) as exc:
         raise UsageError(f"--metrics-port/--metrics-addr: {exc} (or pass --no-metrics)") from exc
