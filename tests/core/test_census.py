@@ -285,16 +285,30 @@ def test_an_outside_chain_evaluated_every_n_steps_is_bounded_not_a_leak(counter,
     assert wd.stops["forecast"] == 0
 
 
+CLASS_CALLS: list[str] = []  # what ran of HostileMeta's code
+WATCHING = [False]  # while the test's watchdog runs (pytest itself reads the class's attributes)
+
+
 class HostileMeta(type):
-    """Comparing, hashing or asking about its classes runs code that raises."""
+    """Comparing, hashing or asking about its classes runs code that raises; reading an attribute
+    of one runs code too, noted while the watchdog runs (the census reads classes as type does; so
+    does the probe of the class that looks for the line that rebinds the leak, attribution.py)."""
+
+    def __getattribute__(cls, name):
+        if WATCHING[0]:
+            CLASS_CALLS.append(name)
+        return type.__getattribute__(cls, name)
 
     def __eq__(cls, other):
+        CLASS_CALLS.append("__eq__")
         raise RuntimeError("the census compared a class")
 
     def __hash__(cls):
+        CLASS_CALLS.append("__hash__")
         raise RuntimeError("the census hashed a class")
 
     def __instancecheck__(cls, instance):
+        CLASS_CALLS.append("__instancecheck__")
         raise RuntimeError("the census ran isinstance")
 
 
@@ -335,10 +349,15 @@ def test_a_hostile_holder_is_read_without_its_code_and_not_kept_alive(counter):
             mx.eval(self.keys)
 
     cache = Cache()
-    for _ in range(40):
-        walk.observe(cache)
-        object.__setattr__(hostile, "chain", object.__getattribute__(hostile, "chain") + 1)
-    assert object.__getattribute__(hostile, "calls") == []
+    WATCHING[0] = True
+    try:
+        for _ in range(40):
+            walk.observe(cache)
+            object.__setattr__(hostile, "chain", object.__getattribute__(hostile, "chain") + 1)
+    finally:
+        WATCHING[0] = False
+    assert object.__getattribute__(hostile, "calls") == [] and CLASS_CALLS == []
+    assert "__setattr__" not in type.__dict__["__dict__"].__get__(Hostile)  # the probe gave it back
     assert any(s.endswith("Hostile.chain") for s in walk.census.sites), walk.census.sites
     assert walk.census.last.pending == 1
     # Followed by weak reference: dropping the holder frees its chain, and the census lets it go.

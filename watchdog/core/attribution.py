@@ -31,6 +31,8 @@ from .graph import is_evaluated
 
 MAX_RECORDS = 256  # assignments noted before a probe ends itself (a step of a very deep model)
 _MISSING = object()
+_type_dict = type.__dict__["__dict__"].__get__
+_type_getattribute = type.__getattribute__
 # One probe per class at a time, whichever watchdog asks: two stacked hooks could not both be
 # taken off exactly.
 _active: dict[int, SetattrProbe] = {}  # by id: a program's metaclass may hash as it likes
@@ -87,8 +89,9 @@ class SetattrProbe:
 
     def attach(self) -> bool:
         cls, attr = self.cls, self.attr
-        saved = cls.__dict__.get("__setattr__", _MISSING)
-        original: Callable[..., None] = cls.__setattr__  # what an assignment runs now: its own or inherited
+        # Read as type reads them: a metaclass's __getattribute__ (the program's code) never runs.
+        saved = _type_dict(cls).get("__setattr__", _MISSING)
+        original: Callable[..., None] = _type_getattribute(cls, "__setattr__")  # its own or inherited
         probe = self
 
         def __setattr__(obj, name, value):
@@ -130,7 +133,7 @@ class SetattrProbe:
             if hook is None:
                 return
             cls = self.cls
-            if cls.__dict__.get("__setattr__") is hook:  # someone else's hook since: leave theirs
+            if _type_dict(cls).get("__setattr__") is hook:  # someone else's hook since: leave theirs
                 if self._saved is _MISSING:
                     type.__delattr__(cls, "__setattr__")
                 else:
