@@ -20,6 +20,16 @@ Two parts, each printing a markdown report (appended to ``--out`` when given):
     python benchmarks/census_cost.py census --objects 100000,300000,1000000 --rounds 20
     python benchmarks/census_cost.py decode --program clean --objects 300000 --reps 3 --rounds 30
     python benchmarks/census_cost.py decode --program leak --objects 300000 --reps 3 --rounds 30
+
+* ``budget``: one long decode of that llama beside ``--program``, watched with the census on or
+  off (``--census``) and the process count as users have it, and at each of ``--checkpoints``
+  steps the watchdog's own time (``Watchdog.overhead_seconds``: all of ``observe()``, walks,
+  censuses and owed walks included) as a share of the decode's wall time so far, beside what the
+  budget allows then (1% of decode, at least the 0.25 s start-up credit). The owed walks (a new
+  decode's first ones, the beats at steps 96, 144, 216, ...) are paid whatever the budget: this
+  says how far they take the share over it, and how soon it comes back.
+
+    python benchmarks/census_cost.py budget --program leak --census on --checkpoints 1000,2000,5000,10000,20000
 """
 
 from __future__ import annotations
@@ -249,22 +259,75 @@ def decode_part(args) -> None:
     emit("\n".join(lines), args.out)
 
 
+def budget_part(args) -> None:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_watchdog import Watchdog
+    from mlx_watchdog.attach.model import unwatch_model, watch_model
+    from mlx_watchdog.core.schedule import WALK_CREDIT_SECONDS
+    from mlx_watchdog.tiny import build_model
+
+    tracked = grow_to(args.objects[0])
+    scheduler_class, clean_class = make_scheduler()
+    program = (scheduler_class if args.program == "leak" else clean_class)()
+    model = build_model("llama", layers=args.layers)
+    wd = Watchdog(limit=10**7, export=False, census=args.census == "on")
+    watch_model(model, wd)
+    gen = generate_step(
+        mx.array(list(range(1, 17))), model, prompt_cache=make_prompt_cache(model), max_tokens=10**9
+    )
+    rows = []
+    start = time.perf_counter()
+    for done in range(1, max(args.checkpoints) + 1):
+        step(gen, program)
+        if done in args.checkpoints:
+            mx.synchronize()
+            decode = time.perf_counter() - start
+            own = wd.overhead_seconds
+            allowed = max(wd.overhead_budget * decode, WALK_CREDIT_SECONDS)
+            forecast = wd.forecast()
+            rows.append(
+                f"| {done:,} | {decode:.1f} | {own:.3f} | {100 * own / decode:.2f}% | "
+                f"{100 * allowed / decode:.2f}% | {wd.walks} | {wd.census.runs} | "
+                f"{100 * wd.census.seconds / decode:.2f}% | {100 * wd.census.read_seconds / decode:.2f}% | "
+                f"{forecast.buffers_per_step:+.2f} | {os.getloadavg()[0]:.1f} |"
+            )
+    unwatch_model(model)
+    if wd.internal_errors or wd.census.errors:
+        raise SystemExit(
+            f"{wd.internal_errors + wd.census.errors} internal errors: the run measured an error path"
+        )
+    lines = [
+        header(
+            f"budget: the watchdog's own time over one decode of a tiny llama ({args.layers} layers) "
+            f"beside a {args.program} program object, census {args.census}, the process at {tracked:,} objects"
+        ),
+        "",
+        "| step | decode s | own s | own share | allowed | walks | censuses | census share | its readings | read /step | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
+    emit("\n".join(lines), args.out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=("census", "decode"))
+    p.add_argument("part", choices=("census", "decode", "budget"))
     p.add_argument("--objects", default="100000", help="comma-separated objects the process is grown to")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--program", choices=("clean", "leak"), default="clean")
+    p.add_argument("--census", choices=("on", "off"), default="on", help="budget: the census on or off")
+    p.add_argument("--checkpoints", default="1000,2000,5000,10000", help="budget: steps read at")
     p.add_argument("--out", default=None, help="append the report to this file")
     args = p.parse_args(argv)
     args.objects = [int(x) for x in args.objects.split(",")]
-    if args.part == "census":
-        census_part(args)
-    else:
-        decode_part(args)
+    args.checkpoints = [int(x) for x in args.checkpoints.split(",")]
+    {"census": census_part, "decode": decode_part, "budget": budget_part}[args.part](args)
     return 0
 
 

@@ -304,6 +304,7 @@ def test_census_cost_benchmark_runs(tmp_path):
     for part in (
         ["census", "--objects", "20000,40000", "--rounds", "2"],
         ["decode", "--program", "leak", "--objects", "20000", "--layers", "2", "--reps", "1", "--rounds", "2", "--chunk", "4"],
+        ["budget", "--program", "leak", "--objects", "20000", "--layers", "2", "--checkpoints", "100,200"],
     ):  # fmt: skip
         proc = subprocess.run(
             [sys.executable, script, *part, "--out", str(out)], capture_output=True, text=True, timeout=600
@@ -313,6 +314,9 @@ def test_census_cost_benchmark_runs(tmp_path):
     assert text.count("| history, score |") == 2  # census: each size, every census named both
     assert "| `census` | wall |" in text and "| `aa` | wall |" in text  # decode, with its A/A control
     assert "Scheduler.history" in text and "Scheduler.score" in text
+    budget = [line.split("|") for line in text.splitlines() if line.startswith(("| 100 |", "| 200 |"))]
+    assert len(budget) == 2 and all(float(row[3]) > 0 for row in budget), text  # its own time, read
+    assert all(row[10].strip() == "+2.00" for row in budget), text  # the two chains, at their rate
 
 
 def test_paired_speed_pairs_another_version_of_the_package_in_one_process(tmp_path):

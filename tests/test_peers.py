@@ -271,6 +271,14 @@ def values(text: str, name: str, **labels) -> list[float]:
     ]
 
 
+def _labels(text: str) -> list[dict]:
+    return [sample.labels for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def _stops_logged(log: Path) -> int:
+    return log.read_text(errors="replace").count("mlx-watchdog: stopping the generation")
+
+
 def stops_by_reason(text: str, watchdog: str) -> dict[str, float]:
     """The watchdog's stops, by reason, where there were any."""
     return {
@@ -367,6 +375,7 @@ class Runs:
         # steps and a stop reach it a second or so after the last request.
         time.sleep(SNAPSHOT_SETTLE)
         result.update(metrics=server.metrics(), log=server.log, start_seconds=server.start_seconds)
+        server.log.with_name("metrics.txt").write_text(result["metrics"])  # for a failure's post-mortem
         return result
 
     def measured(self, server: Peer, model: str) -> dict:
@@ -539,7 +548,10 @@ def test_a_stop_in_mlx_vlm_fails_the_running_batch_and_the_server_serves_on(runs
     stops = values(run["metrics"], "mlx_watchdog_stops_total", watchdog=HYBRID, reason="forecast")
     batch = max(resident(runs.get("mlx-vlm", "watched")[HYBRID], HYBRID))
     assert stops and stops[0] >= 1, (
-        f"no stop at the limit {MLX_VLM_LIMIT}: the watched batch was read at most {batch} buffers"
+        f"no stop at the limit {MLX_VLM_LIMIT}: the watched batch was read at most {batch} buffers; "
+        f"the log says {_stops_logged(run['log'])} stops; the endpoint has "
+        f"{sorted({(lab.get('pid'), lab.get('watchdog')) for lab in _labels(run['metrics'])})} "
+        f"(pid, watchdog) and their stops {stops_by_reason(run['metrics'], HYBRID)}"
     )
     for reply in run["stop"]["replies"]:
         # The watchdog's message reaches the client: mlx-vlm passes the exception's text on.
