@@ -551,7 +551,8 @@ def test_a_stop_in_mlx_vlm_fails_the_running_batch_and_the_server_serves_on(runs
         f"no stop at the limit {MLX_VLM_LIMIT}: the watched batch was read at most {batch} buffers; "
         f"the log says {_stops_logged(run['log'])} stops; the endpoint has "
         f"{sorted({(lab.get('pid'), lab.get('watchdog')) for lab in _labels(run['metrics'])})} "
-        f"(pid, watchdog) and their stops {stops_by_reason(run['metrics'], HYBRID)}"
+        f"(pid, watchdog), their stops {stops_by_reason(run['metrics'], HYBRID)} and steps "
+        f"{values(run['metrics'], 'mlx_watchdog_steps_total', watchdog=HYBRID)} (a stale snapshot: few)"
     )
     for reply in run["stop"]["replies"]:
         # The watchdog's message reaches the client: mlx-vlm passes the exception's text on.
