@@ -415,7 +415,10 @@ def test_exit_status_passes_through(capfd):
     assert "the command goes after `--`" in capfd.readouterr().err
     for bad in ("-1", "nan", "soon"):
         assert cli.main(["run", "--linger", bad, "--", PYTHON, "-c", "pass"]) == 2
-        assert f"argument --linger: expected a number of seconds >= 0, got {bad!r}" in capfd.readouterr().err
+        assert (
+            f"argument --linger: must be a finite number of seconds >= 0, got {bad!r}"
+            in capfd.readouterr().err
+        )
 
 
 @pytest.mark.parametrize("signame, status", [("SIGTERM", 3), ("SIGHUP", 128 + signal.SIGHUP)])

@@ -26,7 +26,6 @@ Python process says hello within ``HELLO_SECONDS`` and one line says that nothin
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import shlex
@@ -41,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bootstrap import HELLO_PREFIX, configuration, environment
-from .common import EXIT_USAGE, PROG, UsageError
+from .common import EXIT_USAGE, PROG, UsageError, seconds
 from .watch_options import (
     add_metrics_arguments,
     add_watchdog_arguments,
@@ -84,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_metrics_arguments(group)
     parser.add_argument(
         "--linger",
-        type=_seconds,
+        type=seconds,
         default=0.0,
         metavar="SECONDS",
         help="after COMMAND exits, serve its last metrics SECONDS more before exiting with its "
@@ -263,7 +262,7 @@ def run(args: argparse.Namespace, command: Sequence[str] | None = None) -> int:
             hello = _watch_for_hello(child, state, shown)
         status = _wait(child)
         status = 128 - status if status < 0 else status
-        linger = float(getattr(args, "linger", 0.0) or 0.0)
+        linger = _linger_seconds(args)
         if metrics is not None and linger > 0:
             restore()
             restore = lambda: None  # noqa: E731
@@ -278,21 +277,15 @@ def run(args: argparse.Namespace, command: Sequence[str] | None = None) -> int:
         shutil.rmtree(state, ignore_errors=True)
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
+def _linger_seconds(args: argparse.Namespace) -> float:
+    return float(getattr(args, "linger", 0.0) or 0.0)
 
 
-def _linger(seconds: float, url: str, status: int) -> None:
-    """Serve the metrics ``seconds`` more, or until SIGINT, SIGTERM or SIGHUP."""
+def _linger(wait: float, url: str, status: int) -> None:
+    """Serve the metrics ``wait`` seconds more, or until SIGINT, SIGTERM or SIGHUP."""
     print(
         f"{PROG} run: the program exited with status {status}; its last metrics stay at {url} for "
-        f"{seconds:g} s (Ctrl-C to leave now)",
+        f"{wait:g} s (Ctrl-C to leave now)",
         file=sys.stderr,
         flush=True,
     )
@@ -303,7 +296,7 @@ def _linger(seconds: float, url: str, status: int) -> None:
             if signum is not None:
                 previous[signum] = signal.signal(signum, lambda *_: leave.set())
     try:
-        leave.wait(seconds)
+        leave.wait(wait)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -318,7 +311,7 @@ def _resolve(name: str) -> str | None:
 def _start_metrics(args: argparse.Namespace, state: str) -> Any:
     from ..exporters.processes import KEEP_EXITED_SECONDS, start_processes_server
 
-    keep = max(KEEP_EXITED_SECONDS, float(getattr(args, "linger", 0.0) or 0.0))
+    keep = max(KEEP_EXITED_SECONDS, _linger_seconds(args))
     try:
         return start_processes_server(
             state, args.metrics_port, args.metrics_addr, keep_exited=keep, **metrics_server_options(args)
