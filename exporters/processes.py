@@ -126,23 +126,24 @@ class SnapshotWriter:
 
     def stop(self, remove: bool = True) -> None:
         """Stop writing; ``remove``: delete this process's file too."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=max(1.0, 2 * self.interval))
+        self._halt_thread()
         with self._lock:
             self._closed = True
             if remove:
                 _unlink(self.path)
 
-    def finish(self, timeout: float = LAST_WRITE_SECONDS) -> None:
-        """Stop writing after one last snapshot (at exit: a stop made just before is in it). The
-        file stays for the supervisor, which serves it a while and then removes it. Waits at most
-        ``timeout`` for it: a daemon thread of the program may hold a watchdog mid-walk."""
+    def _halt_thread(self) -> None:
+        """End the writing thread (waiting for a write under way, two intervals at most)."""
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=max(1.0, 2 * self.interval))
+
+    def finish(self, timeout: float = LAST_WRITE_SECONDS) -> None:
+        """Stop writing after one last snapshot (at exit: a stop made just before is in it). The
+        file stays for the supervisor, which serves it a while and then removes it. Waits at most
+        ``timeout`` for it: a daemon thread of the program may hold a watchdog mid-walk."""
+        self._halt_thread()
 
         def last() -> None:
             try:
