@@ -19,8 +19,10 @@ counted. The oracle is exposed two ways, both optional:
     - ``{"event": "probe", ...}`` for every reading of the endpoint below.
 * ``ORACLE_PORT=port``: ``GET http://127.0.0.1:port/live`` answers
   ``{"true": n, "steps": s, "where": "step" | "idle", "time": t}`` (at a step also
-  ``"forward": "decode" | "prefill"``, ``"batch"``, the batch size of that forward's cache, and
-  ``"measured"``, the step of the watchdog's last reading: how old it is). The reading is taken on the
+  ``"forward": "decode" | "prefill"``, ``"batch"``, the batch size of that forward's cache,
+  ``"measured"``, the step of the watchdog's last reading: how old it is, and ``"decode_start"``,
+  the step of its last ``reset()``: where the decode it measures now began, its growth unknown
+  until read afresh). The reading is taken on the
   generation thread at the entry of its next forward pass, once the watchdog has observed it
   (``Watchdog.observe`` is wrapped: synchronized, exact, aligned with the watchdog's own step count
   ``steps``, and a scrape that waited for it reads what the watchdog made of that step); when no
@@ -117,6 +119,7 @@ class _Probes:
                 "forward": "prefill" if prefill else "decode",
                 "batch": _batch_size(roots),
                 "measured": _measured(watchdog),
+                "decode_start": DECODE_STARTS.get(id(watchdog), 0),
             }
             for probe in waiting:
                 probe["result"] = result
@@ -124,6 +127,7 @@ class _Probes:
 
 
 PROBES = _Probes()
+DECODE_STARTS: dict[int, int] = {}  # id(watchdog) -> its step at its last reset(): a decode measured afresh
 
 
 def _batch_size(roots) -> int | None:
@@ -174,6 +178,15 @@ def _install_hooks() -> None:
 
     observe.__wrapped__ = original_observe
     core.Watchdog.observe = observe
+
+    original_reset = core.Watchdog.reset
+
+    def reset(self, *args, **kwargs):
+        DECODE_STARTS[id(self)] = self.steps  # (a new decode: reset at its first step)
+        return original_reset(self, *args, **kwargs)
+
+    reset.__wrapped__ = original_reset
+    core.Watchdog.reset = reset
 
     original_init = core.ResourceLimitForecast.__init__
 
