@@ -62,6 +62,9 @@ STOP_PROMPTS = (7, 10)
 # one request holds (153 here) and under what a batch of two or more holds (189 and more).
 MLX_VLM_LIMIT = 170
 SNAPSHOT_SETTLE = 2.5  # seconds: twice the snapshot writer's interval, and its write
+# ...and at most this long more while the endpoint shows fewer stops than the log: on a loaded
+# machine the writer thread may wait for the GIL behind the server's own threads.
+SNAPSHOT_WAIT = 20.0
 
 
 # --------------------------------------------------------------------------- environment
@@ -374,7 +377,13 @@ class Runs:
         # The endpoint serves each process's snapshot, written at most once a second: the last
         # steps and a stop reach it a second or so after the last request.
         time.sleep(SNAPSHOT_SETTLE)
-        result.update(metrics=server.metrics(), log=server.log, start_seconds=server.start_seconds)
+        metrics, deadline = server.metrics(), time.monotonic() + SNAPSHOT_WAIT
+        while sum(values(metrics, "mlx_watchdog_stops_total")) < _stops_logged(server.log):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+            metrics = server.metrics()
+        result.update(metrics=metrics, log=server.log, start_seconds=server.start_seconds)
         server.log.with_name("metrics.txt").write_text(result["metrics"])  # for a failure's post-mortem
         return result
 
