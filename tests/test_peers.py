@@ -378,9 +378,10 @@ class Runs:
         # steps and a stop reach it a second or so after the last request.
         time.sleep(SNAPSHOT_SETTLE)
         metrics, deadline = server.metrics(), time.monotonic() + SNAPSHOT_WAIT
-        while sum(values(metrics, "mlx_watchdog_stops_total")) < _stops_logged(server.log):
-            if time.monotonic() > deadline:
-                break
+        while (
+            sum(values(metrics, "mlx_watchdog_stops_total")) < _stops_logged(server.log)
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.5)
             metrics = server.metrics()
         result.update(metrics=metrics, log=server.log, start_seconds=server.start_seconds)

@@ -344,9 +344,9 @@ def test_a_busy_fix_mode_server_knows_its_rate(start_server):
     0.5 s, as Prometheus would: while decoding, 64 steps or more into a decode (``SETTLED_STEPS``),
     ``rate_known`` must be 1 on at least 90% of the scrapes (each change of the batch once reset
     what was being measured, and the first fix of each reset cleared the readings again: 0 on every
-    scrape after the first minute), and the rate is the fix's, ~0 (the exact count's troughs do not rise).
-    Most scrapes must be that far into a decode: a new decode is one the batch emptied for, not each
-    change of it. Every scrape (from the first decode's 16th step on) is bracketed by the exact
+    scrape after the first minute), and the rate is the fix's, ~0 (the exact count's troughs do
+    not rise). Most scrapes must be that far into a decode: a new decode is one the batch emptied
+    for, not each change of it. Every scrape (from the first decode's 16th step on) is bracketed by the exact
     count, and every one must read the resident count within max(5%, 100) of it: a reading that
     stopped being refreshed while requests came and went (the fix and every step's own time filled
     the budget) stayed 167-189 buffers under the count for 900 steps."""
